@@ -1,0 +1,66 @@
+"""cuda_library: compiles .cu files with nvcc into a cc_library (which carries CcInfo)."""
+
+load("@local_cuda//:defs.bzl", "NVCC")
+
+# sm_80 (A100), sm_86 (A6000/RTX 30), sm_90 (H100/H200) machine code + compute_90 PTX
+# so newer GPUs can JIT.
+CUDA_GENCODE = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_86,code=sm_86",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90,code=compute_90",
+]
+
+CUDA_COPTS = [
+    "-std=c++17",
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-Xcompiler=-fPIC",
+    "-Xcompiler=-O3",
+    "-lineinfo",
+]
+
+def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
+    """A cc_library whose objects come from nvcc.
+
+    Args:
+      name: the cc_library's name.
+      srcs: .cu files; each becomes one object (whole-program, no -rdc).
+      hdrs: headers of this library (visible to dependents and to nvcc).
+      deps: cc_library deps whose headers the .cu files include (headers only are
+            passed to nvcc; torch headers must not be among them).
+      copts: extra nvcc flags.
+      **kwargs: passed to the cc_library (visibility, tags, ...).
+    """
+    objects = []
+    for src in srcs:
+        stem = src.replace("/", "_").rsplit(".", 1)[0]
+        obj = "_objs_%s/%s.pic.o" % (name, stem)
+        native.genrule(
+            name = "%s_%s_nvcc" % (name, stem),
+            srcs = [src] + hdrs,
+            outs = [obj],
+            cmd = " ".join([
+                NVCC,
+                "-ccbin $(CC)",
+                " ".join(CUDA_GENCODE),
+                " ".join(CUDA_COPTS),
+                " ".join(copts),
+                "-I.",
+                "-I$(GENDIR)",
+                "-c $(location %s)" % src,
+                "-o $@",
+            ]),
+            toolchains = ["@bazel_tools//tools/cpp:current_cc_toolchain"],
+            tags = ["cuda"],
+        )
+        objects.append(obj)
+    native.cc_library(
+        name = name,
+        srcs = objects,
+        hdrs = hdrs,
+        deps = deps + ["@local_cuda//:cudart"],
+        linkstatic = True,
+        alwayslink = True,
+        **kwargs
+    )

@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "gdr: bazel coverage is not supported (offline build)" >&2
+exit 1
