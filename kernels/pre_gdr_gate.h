@@ -1,0 +1,118 @@
+// The pre-GDR gate kernels: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b),
+// and their backward, whose per-head A_log / dt_bias gradients reduce over every token.
+// Spec: shared design note pre_gdr_gate.md. Plain C++ (no CUDA or torch headers) so the
+// tile rules below are testable on machines without a GPU.
+//
+// Layout contract: a, b, grad_g, grad_beta are [dim0, dim1, heads] with arbitrary element
+// strides (a 2-D tensor is [1, tokens, heads]); g, beta, da, db are written contiguous.
+// Math is FP32 whatever the storage type. Every launcher runs on the stream it is given.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct CUstream_st;
+
+namespace gdr::kernels {
+
+enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// A strided [dim0, dim1, heads] operand.
+struct StridedOperand {
+  const void* data = nullptr;
+  int64_t stride0 = 0;
+  int64_t stride1 = 0;
+  int64_t stride_h = 0;
+};
+
+struct GateShape {
+  int64_t dim0 = 0;
+  int64_t dim1 = 0;
+  int64_t heads = 0;
+  int64_t tokens() const { return dim0 * dim1; }
+};
+
+// One backward tile: each program reduces block_t tokens x block_h heads with `threads`
+// threads laid out as (threads / block_h) token rows of block_h head lanes.
+struct GateTile {
+  int block_t = 0;
+  int block_h = 0;
+  int threads = 0;
+  bool operator==(const GateTile& o) const {
+    return block_t == o.block_t && block_h == o.block_h && threads == o.threads;
+  }
+};
+
+std::string to_string(const GateTile& tile);
+
+// Everything a backward launch derives from (tile, shape). Note [Gate tile decides
+// everything]: the chosen tile alone sets grid, scratch capacity and launch parameters,
+// in both reduction modes, so an override or a runtime mode flip cannot desynchronise
+// the scratch size from the grid that fills it.
+struct GateBackwardLaunch {
+  int64_t programs_t = 0;      // grid.x
+  int64_t programs_h = 0;      // grid.y
+  int rows = 0;                // token rows per program = threads / block_h
+  int64_t shared_bytes = 0;    // 2 * rows * block_h floats
+  int64_t scratch_floats = 0;  // ordered mode: programs_t * 2 * heads partial sums
+  int64_t num_programs() const { return programs_t * programs_h; }
+};
+
+// The one candidate list shared by the timing autotuner and the deterministic rule.
+const std::vector<GateTile>& pre_gdr_gate_candidate_tiles();
+
+// Empty when `tile` can be launched, otherwise a sentence saying what is wrong.
+std::string validate_gate_tile(const GateTile& tile);
+
+GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateShape& shape);
+
+// The fixed cost rule of deterministic mode: a pure function of the shape (no timing, no
+// device query), so every process picks the same tile. Lower is better.
+double gate_tile_static_cost(const GateTile& tile, const GateShape& shape);
+
+// Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu).
+constexpr int kReduceSlotsPerBlock = 32;
+constexpr int kReduceRows = 32;
+
+struct GateForwardArgs {
+  GateShape shape;
+  ScalarKind input_kind = ScalarKind::kFloat32;  // a and b
+  ScalarKind param_kind = ScalarKind::kFloat32;  // A_log and dt_bias
+  StridedOperand a, b;
+  const void* A_log = nullptr;  // [heads], contiguous
+  const void* dt_bias = nullptr;
+  float* g = nullptr;     // [tokens, heads] contiguous FP32
+  float* beta = nullptr;  // [tokens, heads] contiguous FP32
+};
+
+struct GateBackwardArgs {
+  GateShape shape;
+  ScalarKind input_kind = ScalarKind::kFloat32;
+  ScalarKind param_kind = ScalarKind::kFloat32;
+  StridedOperand a, b;
+  StridedOperand grad_g, grad_beta;  // FP32
+  const void* A_log = nullptr;
+  const void* dt_bias = nullptr;
+  void* da = nullptr;  // [tokens, heads] contiguous, input_kind
+  void* db = nullptr;
+};
+
+enum class GateReduction { kAtomic, kOrdered };
+
+// Returns 0 (cudaSuccess) or the CUDA error code of the launch.
+int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);
+
+// kAtomic: `out` is a zeroed FP32 [2, heads] accumulator ([0] = dA_log, [1] = ddt_bias).
+// kOrdered: `out` is FP32 scratch of derive_gate_backward_launch(...).scratch_floats, one
+// [2, heads] row per token-program, every slot written (no zero-fill needed).
+int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& tile,
+                                 GateReduction reduction, float* out, CUstream_st* stream);
+
+// Ordered second pass: sums the partial rows in a fixed order that depends only on
+// programs_t, then writes dA_log / ddt_bias ([heads], param_kind).
+int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t,
+                                        int64_t heads, ScalarKind param_kind, void* dA_log,
+                                        void* ddt_bias, CUstream_st* stream);
+
+}  // namespace gdr::kernels

@@ -1,0 +1,31 @@
+// Scalar formulas of the pre-GDR gate, shared by the CUDA kernels and the CPU op so both
+// compute the same thing. See Note [Softplus threshold].
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define GDR_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define GDR_HOST_DEVICE inline
+#endif
+
+namespace gdr::kernels {
+
+// Note [Softplus threshold]: PyTorch's softplus (beta = 1, threshold = 20) returns its
+// input above 20 and log1p(exp(x)) otherwise; its derivative is then 1 above 20 and
+// sigmoid(x) otherwise. The gate follows it exactly so that the fused op, the CPU op and
+// the unfused libtorch composition agree in every regime.
+constexpr float kSoftplusThreshold = 20.0f;
+
+GDR_HOST_DEVICE float gate_softplus(float pre) {
+  return pre > kSoftplusThreshold ? pre : log1pf(expf(pre));
+}
+
+GDR_HOST_DEVICE float gate_softplus_grad(float pre) {
+  return pre > kSoftplusThreshold ? 1.0f : 1.0f / (1.0f + expf(-pre));
+}
+
+GDR_HOST_DEVICE float gate_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+}  // namespace gdr::kernels

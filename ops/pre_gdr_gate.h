@@ -1,0 +1,69 @@
+// The fused pre-GDR gate op (spec: shared design note pre_gdr_gate.md):
+//   g    = -exp(A_log[h]) * softplus(a + dt_bias[h])   (FP32)
+//   beta = sigmoid(b)                                   (FP32)
+// a, b: [B, S, Hv] or [T, Hv], FP32/FP16/BF16, same dtype, any strides (no copies are
+// made on CUDA). A_log, dt_bias: [Hv], FP32/FP16/BF16, same dtype. Outputs are
+// contiguous FP32 of a's shape. CUDA work runs on the current CUDA stream with scratch
+// from the caching allocator.
+//
+// Backward (through autograd or pre_gdr_gate_backward): da/db in the dtype of a/b,
+// dA_log/ddt_bias in the parameters' dtype. On CUDA the per-head sums use atomics and a
+// timing-autotuned tile by default, and the ordered, bit-reproducible reduction when
+// use_deterministic_mode() is true (see Note [Deterministic mode resolution] and
+// Note [Tile selection]). The CPU implementation is sequential and always deterministic.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "kernels/pre_gdr_gate.h"
+#include "ops/autotune.h"
+
+namespace gdr {
+
+// Autograd-aware entry point (dispatches to CPU or CUDA).
+std::tuple<at::Tensor, at::Tensor> pre_gdr_gate(const at::Tensor& a, const at::Tensor& b,
+                                                const at::Tensor& A_log,
+                                                const at::Tensor& dt_bias);
+
+// The backward op alone (no autograd): returns (da, db, dA_log, ddt_bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward(
+    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
+    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias);
+
+// The unfused libtorch composition of the same formulas (autograd through ATen ops);
+// the `none` fusion level of the model and the reference of the tests.
+std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a,
+                                                          const at::Tensor& b,
+                                                          const at::Tensor& A_log,
+                                                          const at::Tensor& dt_bias);
+
+// Explicit tile override for the CUDA backward, in both modes. The API value wins over the
+// environment variable GDR_PRE_GDR_GATE_TILE ("BLOCK_TxBLOCK_HxTHREADS", e.g. 128x16x256).
+// Invalid values are refused with a message saying what is wrong.
+void set_pre_gdr_gate_tile_override(std::optional<kernels::GateTile> tile);
+std::optional<kernels::GateTile> pre_gdr_gate_tile_override();
+kernels::GateTile parse_gate_tile(const std::string& text, const std::string& source);
+
+// The CUDA backward's tile choice (Note [Tile selection]); `time_ms` is only called in
+// default mode on an autotune-cache miss.
+TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
+    const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
+    bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms);
+
+// What the most recent CUDA backward did (any thread); tests use it to prove which path
+// ran through the real autograd dispatch.
+struct PreGdrGateBackwardRecord {
+  int64_t calls = 0;  // CUDA backward calls so far in this process
+  bool ordered = false;
+  kernels::GateTile tile;
+  SelectionSource source = SelectionSource::kStaticCost;
+  kernels::GateBackwardLaunch launch;
+};
+PreGdrGateBackwardRecord pre_gdr_gate_last_backward();
+
+}  // namespace gdr
