@@ -10,6 +10,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
 #include "kernels/pre_gdr_gate.h"
 #include "kernels/pre_gdr_gate_math.h"
 
@@ -28,61 +32,150 @@ __device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
-// Token index -> element offset of a strided [dim0, dim1, heads] operand. Index is 32-bit
-// when the whole problem fits, since 64-bit division costs several times more.
-template <typename Index>
-struct TokenDecoder {
-  Index dim1;
-  __device__ __forceinline__ void split(Index token, Index& i0, Index& i1) const {
-    i0 = token / dim1;
-    i1 = token - i0 * dim1;
+// Division by a runtime constant as a multiply-high and a shift (the magic-number method
+// PyTorch's IntDivider uses): the kernels divide twice per element (flat index -> token,
+// token -> (i0, i1)), and a hardware-less integer divide costs more than the math.
+// Valid for dividends and divisors below 2^31.
+struct FastDivider32 {
+  uint32_t divisor = 1, magic = 0, shift = 0;
+  FastDivider32() = default;
+  explicit FastDivider32(uint32_t d) : divisor(d) {
+    for (shift = 0; shift < 32; ++shift) {
+      if ((uint32_t{1} << shift) >= divisor) break;
+    }
+    const uint64_t one = 1;
+    magic = static_cast<uint32_t>(((one << 32) * ((one << shift) - divisor)) / divisor + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    const uint32_t t = __umulhi(n, magic);
+    return (t + n) >> shift;
   }
 };
 
-__device__ __forceinline__ int64_t strided_offset(const StridedOperand& op, int64_t i0,
-                                                  int64_t i1, int64_t h) {
-  return i0 * op.stride0 + i1 * op.stride1 + h * op.stride_h;
+template <typename Index>
+struct Divider {  // 64-bit fallback: plain division
+  Index divisor;
+  Divider() = default;
+  explicit Divider(Index d) : divisor(d) {}
+  __device__ __forceinline__ Index div(Index n) const { return n / divisor; }
+};
+
+template <typename Index>
+using DividerFor = std::conditional_t<std::is_same_v<Index, int32_t>, FastDivider32, Divider<Index>>;
+
+// Token index -> (i0, i1) of a strided [dim0, dim1, heads] operand. Index is 32-bit when
+// the whole problem fits, since 64-bit arithmetic costs several times more.
+template <typename Index>
+struct TokenDecoder {
+  DividerFor<Index> dim1;
+  __device__ __forceinline__ void split(Index token, Index& i0, Index& i1) const {
+    i0 = static_cast<Index>(dim1.div(token));
+    i1 = token - i0 * static_cast<Index>(dim1.divisor);
+  }
+};
+
+// Element offset of (i0, i1, h). kFlat: every operand is contiguous [tokens, heads], so the
+// offset is the flat index and no token split is needed; this is the common case and it
+// saves the divisions and multiplies that otherwise make these kernels instruction-bound.
+template <typename Index>
+__device__ __forceinline__ Index strided_offset(const StridedOperand& op, Index i0, Index i1,
+                                                Index h) {
+  return i0 * static_cast<Index>(op.stride0) + i1 * static_cast<Index>(op.stride1) +
+         h * static_cast<Index>(op.stride_h);
 }
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-constexpr int kForwardItemsPerThread = 4;
+// Each thread handles kForwardItemsPerThread elements kForwardThreads apart (coalesced per
+// instruction). All loads are issued before any store: without that, the compiler must
+// assume g/beta stores may alias a/b and serialises load -> store -> load, leaving too
+// few bytes in flight to approach HBM bandwidth.
+constexpr int kForwardItemsPerThread = 8;
 constexpr int kForwardThreads = 256;
 
-template <typename In, typename Param, typename Index>
+// Per-head constants (-exp(A_log), dt_bias) come from a shared-memory table when the head
+// count fits, so the per-element work is the activation math alone.
+constexpr int kForwardTableHeads = 1024;
+
+template <typename In, typename Param, typename Index, bool kFlat>
 __global__ void __launch_bounds__(kForwardThreads)
-    gate_forward_kernel(GateForwardArgs args, Index total, Index heads, TokenDecoder<Index> dec) {
+    gate_forward_kernel(GateForwardArgs args, Index total, DividerFor<Index> heads,
+                        TokenDecoder<Index> dec) {
+  __shared__ float neg_exp_A_table[kForwardTableHeads];
+  __shared__ float dt_table[kForwardTableHeads];
   const In* a = static_cast<const In*>(args.a.data);
   const In* b = static_cast<const In*>(args.b.data);
   const Param* A_log = static_cast<const Param*>(args.A_log);
   const Param* dt_bias = static_cast<const Param*>(args.dt_bias);
+  const Index num_heads = static_cast<Index>(heads.divisor);
+  const bool use_table = num_heads <= kForwardTableHeads;
+  if (use_table) {
+    for (Index h = threadIdx.x; h < num_heads; h += kForwardThreads) {
+      neg_exp_A_table[h] = -expf(load_as_float(A_log + h));
+      dt_table[h] = load_as_float(dt_bias + h);
+    }
+    __syncthreads();
+  }
   const Index base = static_cast<Index>(blockIdx.x) * (kForwardThreads * kForwardItemsPerThread) +
                      threadIdx.x;
+  float a_val[kForwardItemsPerThread], b_val[kForwardItemsPerThread];
+  Index head[kForwardItemsPerThread];
 #pragma unroll
   for (int item = 0; item < kForwardItemsPerThread; ++item) {
     const Index e = base + item * kForwardThreads;
-    if (e >= total) return;
-    const Index token = e / heads;
-    const Index h = e - token * heads;
-    Index i0, i1;
-    dec.split(token, i0, i1);
-    const float pre = load_as_float(a + strided_offset(args.a, i0, i1, h)) +
-                      load_as_float(dt_bias + h);
-    args.g[e] = -expf(load_as_float(A_log + h)) * gate_softplus(pre);
-    args.beta[e] = gate_sigmoid(load_as_float(b + strided_offset(args.b, i0, i1, h)));
+    if (e < total) {
+      const Index token = static_cast<Index>(heads.div(e));
+      const Index h = e - token * num_heads;
+      head[item] = h;
+      if constexpr (kFlat) {
+        a_val[item] = load_as_float(a + e);
+        b_val[item] = load_as_float(b + e);
+      } else {
+        Index i0, i1;
+        dec.split(token, i0, i1);
+        a_val[item] = load_as_float(a + strided_offset(args.a, i0, i1, h));
+        b_val[item] = load_as_float(b + strided_offset(args.b, i0, i1, h));
+      }
+    }
+  }
+#pragma unroll
+  for (int item = 0; item < kForwardItemsPerThread; ++item) {
+    const Index e = base + item * kForwardThreads;
+    if (e < total) {
+      const Index h = head[item];
+      const float neg_exp_A = use_table ? neg_exp_A_table[h] : -expf(load_as_float(A_log + h));
+      const float dt = use_table ? dt_table[h] : load_as_float(dt_bias + h);
+      args.g[e] = neg_exp_A * gate_softplus(a_val[item] + dt);
+      args.beta[e] = gate_sigmoid(b_val[item]);
+    }
   }
 }
 
 // One program = block_t tokens x block_h heads. Thread (row, lane) owns head
-// blockIdx.y * block_h + lane and walks tokens row, row + rows, ... of the tile, keeping
-// its two per-head sums in registers; the rows are then combined in shared memory in row
-// order (a fixed order, so the in-block sum is reproducible in both modes).
-template <typename In, typename Param, typename Index, bool kOrdered>
+// blockIdx.y * block_h + lane and walks tokens row, row + rows, ... of the tile in batches
+// of kBackwardBatch (all loads of a batch before its stores, as in the forward), keeping
+// its two per-head sums in registers in token order; the rows are then combined in
+// shared memory in row order. The in-block sum is thus a fixed order in every mode.
+constexpr int kBackwardBatch = 4;
+
+// Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
+// its partial row, then takes a ticket from an unsigned counter; the program that draws
+// the last ticket sums all partial rows itself (slot lanes of 32 x blockDim.x / 32 rows,
+// each row sequential over programs row, row + R, ...; rows then added in order) and
+// resets the counter to 0 for the next launch on its stream. The integer ticket only
+// elects who sums; it carries no data, so the float sums have one fixed order (a pure
+// function of programs_t and the tile) whatever the scheduling. It saves the second
+// launch of the two-pass variant, which dominates at small (launch-bound) shapes.
+constexpr int kSinglePassMaxGroups = 4;  // 2 * heads <= 32 * 4 slots
+static_assert(kSinglePassMaxGroups * 32 == 2 * kSinglePassMaxHeads, "keep in sync");
+
+template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
 __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
                                      TokenDecoder<Index> dec, int block_t, int block_h,
                                      float* out) {
   extern __shared__ float row_sums[];  // [2][rows][block_h]
+  __shared__ bool is_last_program;
   const In* a = static_cast<const In*>(args.a.data);
   const In* b = static_cast<const In*>(args.b.data);
   const float* grad_g = static_cast<const float*>(args.grad_g.data);
@@ -102,40 +195,109 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
   if (h < heads) {
     const float neg_exp_A = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
     const float dt = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
-#pragma unroll 4
-    for (Index t = t_begin + row; t < t_end; t += rows) {
-      Index i0, i1;
-      dec.split(t, i0, i1);
-      const float pre = load_as_float(a + strided_offset(args.a, i0, i1, h)) + dt;
-      const float dg = load_as_float(grad_g + strided_offset(args.grad_g, i0, i1, h));
-      const float dbeta = load_as_float(grad_beta + strided_offset(args.grad_beta, i0, i1, h));
-      const float beta = gate_sigmoid(load_as_float(b + strided_offset(args.b, i0, i1, h)));
-      const float g = neg_exp_A * gate_softplus(pre);
-      const float da_value = dg * (neg_exp_A * gate_softplus_grad(pre));
-      const Index e = t * heads + h;
-      store_from_float(da + e, da_value);
-      store_from_float(db + e, dbeta * beta * (1.0f - beta));
-      sum_A_log += dg * g;
-      sum_dt_bias += da_value;
+    for (Index t0 = t_begin + row; t0 < t_end; t0 += kBackwardBatch * rows) {
+      float a_val[kBackwardBatch], b_val[kBackwardBatch], dg[kBackwardBatch], dbeta[kBackwardBatch];
+#pragma unroll
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        const Index t = t0 + k * rows;
+        if (t < t_end) {
+          if constexpr (kFlat) {
+            const Index e = t * heads + h;
+            a_val[k] = load_as_float(a + e);
+            b_val[k] = load_as_float(b + e);
+            dg[k] = load_as_float(grad_g + e);
+            dbeta[k] = load_as_float(grad_beta + e);
+          } else {
+            Index i0, i1;
+            dec.split(t, i0, i1);
+            a_val[k] = load_as_float(a + strided_offset(args.a, i0, i1, h));
+            b_val[k] = load_as_float(b + strided_offset(args.b, i0, i1, h));
+            dg[k] = load_as_float(grad_g + strided_offset(args.grad_g, i0, i1, h));
+            dbeta[k] = load_as_float(grad_beta + strided_offset(args.grad_beta, i0, i1, h));
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        const Index t = t0 + k * rows;
+        if (t < t_end) {
+          float softplus, softplus_grad;
+          gate_softplus_and_grad(a_val[k] + dt, softplus, softplus_grad);
+          const float g = neg_exp_A * softplus;
+          const float da_value = dg[k] * (neg_exp_A * softplus_grad);
+          const float beta = gate_sigmoid(b_val[k]);
+          const Index e = t * heads + h;
+          store_from_float(da + e, da_value);
+          store_from_float(db + e, dbeta[k] * beta * (1.0f - beta));
+          sum_A_log += dg[k] * g;
+          sum_dt_bias += da_value;
+        }
+      }
     }
   }
   row_sums[row * block_h + lane] = sum_A_log;
   row_sums[(rows + row) * block_h + lane] = sum_dt_bias;
   __syncthreads();
-  if (row != 0 || h >= heads) return;
-  float total_A_log = 0.0f;
-  float total_dt_bias = 0.0f;
-  for (int r = 0; r < rows; ++r) {
-    total_A_log += row_sums[r * block_h + lane];
-    total_dt_bias += row_sums[(rows + r) * block_h + lane];
+  if (row == 0 && h < heads) {
+    float total_A_log = 0.0f;
+    float total_dt_bias = 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      total_A_log += row_sums[r * block_h + lane];
+      total_dt_bias += row_sums[(rows + r) * block_h + lane];
+    }
+    if constexpr (kMode == GateReduction::kAtomic) {
+      atomicAdd(out + h, total_A_log);
+      atomicAdd(out + heads + h, total_dt_bias);
+    } else {
+      float* partial_row = out + static_cast<int64_t>(blockIdx.x) * 2 * heads;
+      partial_row[h] = total_A_log;
+      partial_row[heads + h] = total_dt_bias;
+    }
   }
-  if constexpr (kOrdered) {
-    float* partial_row = out + static_cast<int64_t>(blockIdx.x) * 2 * heads;
-    partial_row[h] = total_A_log;
-    partial_row[heads + h] = total_dt_bias;
-  } else {
-    atomicAdd(out + h, total_A_log);
-    atomicAdd(out + heads + h, total_dt_bias);
+  if constexpr (kMode == GateReduction::kOrderedSinglePass) {
+    // See Note [Single-pass ordered reduction].
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const unsigned int programs = gridDim.x * gridDim.y;
+      is_last_program = atomicAdd(args.ticket, 1u) == programs - 1;
+    }
+    __syncthreads();
+    if (!is_last_program) return;
+    __threadfence();
+    const int slot_lane = threadIdx.x % 32;
+    const int slot_row = threadIdx.x / 32;
+    const int slot_rows = blockDim.x / 32;
+    const int64_t slots = 2 * static_cast<int64_t>(heads);
+    const int64_t programs_t = gridDim.x;
+    float acc[kSinglePassMaxGroups];
+#pragma unroll
+    for (int group = 0; group < kSinglePassMaxGroups; ++group) acc[group] = 0.0f;
+    for (int64_t p = slot_row; p < programs_t; p += slot_rows) {
+#pragma unroll
+      for (int group = 0; group < kSinglePassMaxGroups; ++group) {
+        const int64_t slot = group * 32 + slot_lane;
+        if (slot < slots) acc[group] += __ldcg(out + p * slots + slot);
+      }
+    }
+    __syncthreads();  // row_sums is reused below
+#pragma unroll
+    for (int group = 0; group < kSinglePassMaxGroups; ++group) {
+      row_sums[slot_row * 32 + slot_lane] = acc[group];
+      __syncthreads();
+      const int64_t slot = group * 32 + slot_lane;
+      if (slot_row == 0 && slot < slots) {
+        float total = 0.0f;
+        for (int r = 0; r < slot_rows; ++r) total += row_sums[r * 32 + slot_lane];
+        if (slot < heads) {
+          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
+        } else {
+          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
+        }
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) *args.ticket = 0u;
   }
 }
 
@@ -181,8 +343,25 @@ void dispatch_kind(ScalarKind kind, Fn&& fn) {
   }
 }
 
-bool fits_int32(const GateShape& shape) {
-  return shape.tokens() * shape.heads < (int64_t{1} << 31) - (int64_t{1} << 20);
+constexpr int64_t kInt32Limit = (int64_t{1} << 31) - (int64_t{1} << 20);
+
+int64_t max_offset(const StridedOperand& op, const GateShape& shape) {
+  return (shape.dim0 - 1) * op.stride0 + (shape.dim1 - 1) * op.stride1 +
+         (shape.heads - 1) * op.stride_h;
+}
+
+// 32-bit indexing when every flat index and every operand offset fits.
+bool fits_int32(const GateShape& shape, std::initializer_list<StridedOperand> operands) {
+  if (shape.tokens() * shape.heads >= kInt32Limit) return false;
+  for (const StridedOperand& op : operands) {
+    if (max_offset(op, shape) >= kInt32Limit) return false;
+  }
+  return true;
+}
+
+bool is_flat(const StridedOperand& op, const GateShape& shape) {
+  return (shape.heads == 1 || op.stride_h == 1) && (shape.dim1 == 1 || op.stride1 == shape.heads) &&
+         (shape.dim0 == 1 || op.stride0 == shape.dim1 * shape.heads);
 }
 
 }  // namespace
@@ -196,13 +375,22 @@ int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream
     dispatch_kind(args.param_kind, [&](auto param_tag) {
       using In = decltype(in_tag);
       using Param = decltype(param_tag);
-      if (fits_int32(args.shape)) {
-        gate_forward_kernel<In, Param, int32_t><<<grid, kForwardThreads, 0, stream>>>(
-            args, static_cast<int32_t>(total), static_cast<int32_t>(args.shape.heads),
-            TokenDecoder<int32_t>{static_cast<int32_t>(args.shape.dim1)});
+      const bool flat = is_flat(args.a, args.shape) && is_flat(args.b, args.shape);
+      auto go = [&](auto index_tag, auto flat_tag, auto heads_div, auto dim1_div) {
+        using Index = decltype(index_tag);
+        gate_forward_kernel<In, Param, Index, decltype(flat_tag)::value>
+            <<<grid, kForwardThreads, 0, stream>>>(args, static_cast<Index>(total), heads_div,
+                                                   TokenDecoder<Index>{dim1_div});
+      };
+      if (fits_int32(args.shape, {args.a, args.b})) {
+        const FastDivider32 heads_div(static_cast<uint32_t>(args.shape.heads));
+        const FastDivider32 dim1_div(static_cast<uint32_t>(args.shape.dim1));
+        flat ? go(int32_t{}, std::true_type{}, heads_div, dim1_div)
+             : go(int32_t{}, std::false_type{}, heads_div, dim1_div);
       } else {
-        gate_forward_kernel<In, Param, int64_t><<<grid, kForwardThreads, 0, stream>>>(
-            args, total, args.shape.heads, TokenDecoder<int64_t>{args.shape.dim1});
+        const Divider<int64_t> heads_div(args.shape.heads), dim1_div(args.shape.dim1);
+        flat ? go(int64_t{}, std::true_type{}, heads_div, dim1_div)
+             : go(int64_t{}, std::false_type{}, heads_div, dim1_div);
       }
     });
   });
@@ -219,19 +407,32 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
     dispatch_kind(args.param_kind, [&](auto param_tag) {
       using In = decltype(in_tag);
       using Param = decltype(param_tag);
-      auto go = [&](auto index_tag, auto ordered_tag) {
+      const bool flat = is_flat(args.a, args.shape) && is_flat(args.b, args.shape) &&
+                        is_flat(args.grad_g, args.shape) && is_flat(args.grad_beta, args.shape);
+      auto go = [&](auto index_tag, auto mode_tag) {
         using Index = decltype(index_tag);
-        constexpr bool kOrdered = decltype(ordered_tag)::value;
-        gate_backward_kernel<In, Param, Index, kOrdered><<<grid, tile.threads, shared, stream>>>(
+        constexpr GateReduction kMode = decltype(mode_tag)::value;
+        auto kernel = flat ? gate_backward_kernel<In, Param, Index, kMode, true>
+                           : gate_backward_kernel<In, Param, Index, kMode, false>;
+        kernel<<<grid, tile.threads, shared, stream>>>(
             args, static_cast<Index>(args.shape.tokens()), static_cast<Index>(args.shape.heads),
-            TokenDecoder<Index>{static_cast<Index>(args.shape.dim1)}, tile.block_t, tile.block_h,
-            out);
+            TokenDecoder<Index>{DividerFor<Index>(static_cast<Index>(args.shape.dim1))},
+            tile.block_t, tile.block_h, out);
       };
-      const bool ordered = reduction == GateReduction::kOrdered;
-      if (fits_int32(args.shape)) {
-        ordered ? go(int32_t{}, std::true_type{}) : go(int32_t{}, std::false_type{});
+      using Atomic = std::integral_constant<GateReduction, GateReduction::kAtomic>;
+      using Ordered = std::integral_constant<GateReduction, GateReduction::kOrdered>;
+      using SinglePass = std::integral_constant<GateReduction, GateReduction::kOrderedSinglePass>;
+      auto with_index = [&](auto index_tag) {
+        switch (reduction) {
+          case GateReduction::kAtomic: go(index_tag, Atomic{}); break;
+          case GateReduction::kOrdered: go(index_tag, Ordered{}); break;
+          case GateReduction::kOrderedSinglePass: go(index_tag, SinglePass{}); break;
+        }
+      };
+      if (fits_int32(args.shape, {args.a, args.b, args.grad_g, args.grad_beta})) {
+        with_index(int32_t{});
       } else {
-        ordered ? go(int64_t{}, std::true_type{}) : go(int64_t{}, std::false_type{});
+        with_index(int64_t{});
       }
     });
   });

@@ -96,16 +96,28 @@ struct GateBackwardArgs {
   const void* dt_bias = nullptr;
   void* da = nullptr;  // [tokens, heads] contiguous, input_kind
   void* db = nullptr;
+  // kOrderedSinglePass only: outputs ([heads], param_kind) and the stream's ticket
+  // counter (zero before the launch; the kernel leaves it zero again).
+  void* dA_log = nullptr;
+  void* ddt_bias = nullptr;
+  unsigned int* ticket = nullptr;
 };
 
-enum class GateReduction { kAtomic, kOrdered };
+// kAtomic: per-program sums atomically added (default mode; bits may vary run to run).
+// kOrdered: partial rows + the ordered second kernel (launch_..._reduce_partials).
+// kOrderedSinglePass: partial rows, summed in fixed order by the last program to finish
+// (Note [Single-pass ordered reduction] in the .cu); needs 2 * heads <= 128.
+enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
+
+constexpr int64_t kSinglePassMaxHeads = 64;
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);
 
 // kAtomic: `out` is a zeroed FP32 [2, heads] accumulator ([0] = dA_log, [1] = ddt_bias).
-// kOrdered: `out` is FP32 scratch of derive_gate_backward_launch(...).scratch_floats, one
-// [2, heads] row per token-program, every slot written (no zero-fill needed).
+// kOrdered / kOrderedSinglePass: `out` is FP32 scratch of
+// derive_gate_backward_launch(...).scratch_floats, one [2, heads] row per token-program,
+// every slot written (no zero-fill needed).
 int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& tile,
                                  GateReduction reduction, float* out, CUstream_st* stream);
 

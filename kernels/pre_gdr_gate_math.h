@@ -22,10 +22,27 @@ GDR_HOST_DEVICE float gate_softplus(float pre) {
   return pre > kSoftplusThreshold ? pre : log1pf(expf(pre));
 }
 
-GDR_HOST_DEVICE float gate_softplus_grad(float pre) {
-  return pre > kSoftplusThreshold ? 1.0f : 1.0f / (1.0f + expf(-pre));
+// softplus'(pre) written as PyTorch's softplus_backward writes it, z / (z + 1) with
+// z = exp(pre), so one exp serves both the value and the derivative.
+GDR_HOST_DEVICE void gate_softplus_and_grad(float pre, float& softplus, float& grad) {
+  if (pre > kSoftplusThreshold) {
+    softplus = pre;
+    grad = 1.0f;
+    return;
+  }
+  const float z = expf(pre);
+  softplus = log1pf(z);
+  grad = z / (z + 1.0f);
 }
 
-GDR_HOST_DEVICE float gate_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+GDR_HOST_DEVICE float gate_reciprocal(float x) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(x);  // correctly rounded: the same bits as 1.0f / x, without a divide
+#else
+  return 1.0f / x;
+#endif
+}
+
+GDR_HOST_DEVICE float gate_sigmoid(float x) { return gate_reciprocal(1.0f + expf(-x)); }
 
 }  // namespace gdr::kernels

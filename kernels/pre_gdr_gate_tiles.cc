@@ -1,7 +1,6 @@
 // Host-side tile rules of the pre-GDR gate backward (see pre_gdr_gate.h).
 #include "kernels/pre_gdr_gate.h"
 
-#include <cmath>
 
 namespace gdr::kernels {
 
@@ -53,23 +52,23 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
   return launch;
 }
 
-// The model behind the rule: the backward is memory-bound, so what matters is (1) enough
-// resident threads to cover HBM latency, which we fix at a reference machine's worth of
-// programs (kTargetPrograms, ~2 per SM on a 132-SM part: a constant, not a device query,
-// so the choice is a pure function of the shape), (2) lanes wasted when block_h exceeds
-// the head count, and (3) the partial rows the ordered pass must read. Ties go to the
-// smaller tile, then fewer threads (the spec's "min-cost" order).
+// The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles,
+// docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
+// the backward is memory/instruction bound and wants (1) 16 head lanes (one 32-byte
+// BF16 sector per token row) and 256 threads per program, (2) no more than
+// kMaxPrograms programs (about 8 resident per SM of a 132-SM part: a constant, not a
+// device query, so the choice is a pure function of the shape), then (3) the smallest
+// block_t, i.e. the most parallelism, and the fewest partial rows for the ordered pass.
 double gate_tile_static_cost(const GateTile& tile, const GateShape& shape) {
-  constexpr double kTargetPrograms = 264.0;
+  constexpr int64_t kMaxPrograms = 1024;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, shape);
-  const double lanes_used = static_cast<double>(shape.heads) /
-                            static_cast<double>(launch.programs_h * tile.block_h);
-  const double elements_per_thread =
-      static_cast<double>(tile.block_t) * tile.block_h / tile.threads / lanes_used;
-  const double waves = std::ceil(static_cast<double>(launch.num_programs()) / kTargetPrograms);
-  const double main_cost = waves * elements_per_thread;
-  const double reduce_cost = static_cast<double>(launch.programs_t) / kReduceRows;
-  return main_cost + reduce_cost + 1e-6 * tile.block_t * tile.block_h + 1e-9 * tile.threads;
+  double cost = 0.0;
+  if (tile.block_h != 16) cost += 4000.0;
+  if (tile.threads != 256) cost += 2000.0;
+  if (launch.num_programs() > kMaxPrograms) {
+    cost += 1000.0 * static_cast<double>(launch.num_programs()) / kMaxPrograms;
+  }
+  return cost + tile.block_t;
 }
 
 }  // namespace gdr::kernels

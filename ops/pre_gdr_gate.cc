@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -172,6 +173,27 @@ std::optional<kernels::GateTile> pre_gdr_gate_tile_override() {
   return parse_gate_tile(env, "GDR_PRE_GDR_GATE_TILE");
 }
 
+namespace {
+std::atomic<int> g_ordered_variant{static_cast<int>(OrderedVariant::kAuto)};
+}  // namespace
+
+void set_pre_gdr_gate_ordered_variant(OrderedVariant variant) {
+  g_ordered_variant.store(static_cast<int>(variant));
+}
+
+OrderedVariant pre_gdr_gate_ordered_variant() {
+  const auto set = static_cast<OrderedVariant>(g_ordered_variant.load());
+  if (set != OrderedVariant::kAuto) return set;
+  const char* env = std::getenv("GDR_PRE_GDR_GATE_ORDERED");
+  if (env == nullptr || env[0] == '\0') return OrderedVariant::kAuto;
+  const std::string value(env);
+  if (value == "single_pass") return OrderedVariant::kSinglePass;
+  if (value == "two_pass") return OrderedVariant::kTwoPass;
+  if (value == "auto") return OrderedVariant::kAuto;
+  TORCH_CHECK(false, "GDR_PRE_GDR_GATE_ORDERED: expected single_pass, two_pass or auto, but got '",
+              value, "'");
+}
+
 TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
     bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms) {
@@ -247,8 +269,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
     const int64_t h = e % heads;
     const float neg_exp_A = -std::exp(Ap[h]);
     const float pre = ap[e] + dtp[h];
-    const float g = neg_exp_A * kernels::gate_softplus(pre);
-    const float da_value = dgp[e] * (neg_exp_A * kernels::gate_softplus_grad(pre));
+    float softplus, softplus_grad;
+    kernels::gate_softplus_and_grad(pre, softplus, softplus_grad);
+    const float g = neg_exp_A * softplus;
+    const float da_value = dgp[e] * (neg_exp_A * softplus_grad);
     const float beta = kernels::gate_sigmoid(bp[e]);
     dap[e] = da_value;
     dbp[e] = dbetap[e] * beta * (1.0f - beta);

@@ -55,11 +55,21 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
     bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms);
 
+// Which ordered (deterministic) reduction the CUDA backward uses. kAuto = two pass (the
+// faster on the H200); kSinglePass needs Hv <= kernels::kSinglePassMaxHeads and a ticket
+// counter made outside graph capture. Also settable with
+// GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both are bit-reproducible; they
+// may differ from each other in the last bits.
+enum class OrderedVariant { kAuto, kSinglePass, kTwoPass };
+void set_pre_gdr_gate_ordered_variant(OrderedVariant variant);
+OrderedVariant pre_gdr_gate_ordered_variant();
+
 // What the most recent CUDA backward did (any thread); tests use it to prove which path
 // ran through the real autograd dispatch.
 struct PreGdrGateBackwardRecord {
   int64_t calls = 0;  // CUDA backward calls so far in this process
   bool ordered = false;
+  kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   kernels::GateTile tile;
   SelectionSource source = SelectionSource::kStaticCost;
   kernels::GateBackwardLaunch launch;

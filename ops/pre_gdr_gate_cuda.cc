@@ -9,6 +9,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/pre_gdr_gate.h"
@@ -80,6 +82,28 @@ double time_atomic_backward(const kernels::GateBackwardArgs& args, const kernels
   return samples[samples.size() / 2];
 }
 
+// One ticket counter per stream for the single-pass ordered reduction (Note
+// [Single-pass ordered reduction]): launches on one stream are serialised, so they can
+// share a counter, which every launch leaves at zero. Counters live for the process.
+// nullptr when none exists yet and the stream is capturing a graph (no cudaMalloc then).
+unsigned int* ticket_counter_for(cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::unordered_map<cudaStream_t, unsigned int*> counters;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counters.find(stream);
+  if (it != counters.end()) return it->second;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &capture);
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  unsigned int* counter = nullptr;
+  TORCH_CHECK(cudaMalloc(&counter, sizeof(unsigned int)) == cudaSuccess,
+              "pre_gdr_gate: allocating the ticket counter failed");
+  TORCH_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream) == cudaSuccess,
+              "pre_gdr_gate: zeroing the ticket counter failed");
+  counters.emplace(stream, counter);
+  return counter;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward_cuda(
     const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
     const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias) {
@@ -119,18 +143,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
       kernels::derive_gate_backward_launch(selection.config, args.shape);
 
   at::Tensor dA_log, ddt_bias;
+  kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   if (ordered) {
     at::Tensor partials = at::empty({launch.scratch_floats}, a.options().dtype(at::kFloat));
-    check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config,
-                                                       kernels::GateReduction::kOrdered,
-                                                       partials.data_ptr<float>(), stream),
-                 "ordered backward");
-    dA_log = at::empty({heads}, A_log.options());
-    ddt_bias = at::empty({heads}, dt_bias.options());
-    check_launch(kernels::launch_pre_gdr_gate_reduce_partials(
-                     partials.data_ptr<float>(), launch.programs_t, heads, scalar_kind(A_log),
-                     dA_log.data_ptr(), ddt_bias.data_ptr(), stream),
-                 "ordered partial reduction");
+    // One allocation for both per-head gradients (rows of a [2, Hv] tensor), as in the
+    // atomic path: fewer allocator calls on a launch-bound path.
+    at::Tensor param_grads = at::empty({2, heads}, A_log.options());
+    dA_log = param_grads[0];
+    ddt_bias = param_grads[1];
+    const OrderedVariant variant = pre_gdr_gate_ordered_variant();
+    unsigned int* ticket = nullptr;
+    // Two pass by default: on the H200 the single pass's serial tail in one block cost
+    // more than the second launch it saves (docs/benchmarks.md).
+    if (variant == OrderedVariant::kSinglePass && heads <= kernels::kSinglePassMaxHeads) {
+      ticket = ticket_counter_for(stream);
+    }
+    TORCH_CHECK(variant != OrderedVariant::kSinglePass || ticket != nullptr,
+                "pre_gdr_gate: the single-pass ordered reduction was requested but needs Hv <= ",
+                kernels::kSinglePassMaxHeads, " (got ", heads,
+                ") and a ticket counter made outside graph capture");
+    if (ticket != nullptr) {
+      reduction = kernels::GateReduction::kOrderedSinglePass;
+      args.dA_log = dA_log.data_ptr();
+      args.ddt_bias = ddt_bias.data_ptr();
+      args.ticket = ticket;
+      check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction,
+                                                         partials.data_ptr<float>(), stream),
+                   "single-pass ordered backward");
+    } else {
+      reduction = kernels::GateReduction::kOrdered;
+      check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction,
+                                                         partials.data_ptr<float>(), stream),
+                   "ordered backward");
+      check_launch(kernels::launch_pre_gdr_gate_reduce_partials(
+                       partials.data_ptr<float>(), launch.programs_t, heads, scalar_kind(A_log),
+                       dA_log.data_ptr(), ddt_bias.data_ptr(), stream),
+                   "ordered partial reduction");
+    }
   } else {
     TORCH_CHECK(cudaMemsetAsync(accumulator.data_ptr(), 0, 2 * heads * sizeof(float), stream) ==
                     cudaSuccess,
@@ -144,6 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   }
   PreGdrGateBackwardRecord record;
   record.ordered = ordered;
+  record.reduction = reduction;
   record.tile = selection.config;
   record.source = selection.source;
   record.launch = launch;

@@ -1,0 +1,224 @@
+// Benchmark of the pre-GDR gate on one GPU: fused forward, backward (atomic, autotuned)
+// and backward (ordered, deterministic), fused forward+backward against the unfused
+// libtorch composite with autograd, and a device-to-device copy of the same bytes as
+// the bandwidth roofline, all measured in this process with CUDA events (warm-up, then
+// the median of timed repetitions). Each case is timed twice: "eager" (events around one
+// host call, so host overhead counts when it exceeds the GPU work, as at small shapes)
+// and "graph" (kPerGraph calls captured in one CUDA graph and replayed: GPU time alone,
+// what a training step that keeps the GPU queue full sees). Prints a Markdown table;
+// --tiles also prints every candidate tile's backward time in both modes.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/pre_gdr_gate.h"
+#include "ops/autotune.h"
+#include "ops/determinism.h"
+#include "ops/pre_gdr_gate.h"
+
+namespace gdr {
+namespace {
+
+constexpr int kWarmup = 10;
+constexpr int kRepeats = 50;
+
+constexpr int kPerGraph = 20;
+
+double median_ms(const std::function<void()>& fn) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < kWarmup; ++i) fn();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> samples;
+  for (int i = 0; i < kRepeats; ++i) {
+    cudaEventRecord(start, stream);
+    fn();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    samples.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+// GPU time per call: kPerGraph calls captured in a CUDA graph, median over replays.
+// Returns -1 when the work cannot be captured.
+double graph_ms(const std::function<void()>& fn) {
+  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStreamGuard guard(capture_stream);
+  for (int i = 0; i < 3; ++i) fn();  // autotunes before capture
+  capture_stream.synchronize();
+  try {
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin();
+    for (int i = 0; i < kPerGraph; ++i) fn();
+    graph.capture_end();
+    const double per_replay = median_ms([&] { graph.replay(); });
+    return per_replay / kPerGraph;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
+    return -1.0;
+  }
+}
+
+struct Timing {
+  double eager = 0, graph = 0;
+};
+
+Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph_ms(fn)}; }
+
+struct Shape {
+  int64_t tokens, heads;
+};
+
+void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  at::Tensor a = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
+  at::Tensor b = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
+  at::Tensor A_log = at::log(at::rand({shape.heads}, cuda) * 15.99 + 0.01);
+  at::Tensor dt_bias = at::ones({shape.heads}, cuda);
+  at::Tensor grad_g = at::randn({1, shape.tokens, shape.heads}, cuda);
+  at::Tensor grad_beta = at::randn({1, shape.tokens, shape.heads}, cuda);
+  const int64_t n = shape.tokens * shape.heads;
+  const int64_t in_bytes = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t fwd_bytes = n * (2 * in_bytes + 2 * 4);           // read a, b; write g, beta
+  const int64_t bwd_bytes = n * (2 * in_bytes + 2 * 4 + 2 * in_bytes);  // + grads in, da/db out
+  at::Tensor copy_src = at::empty({fwd_bytes / 2}, cuda.dtype(at::kByte));
+  at::Tensor copy_dst = at::empty_like(copy_src);
+  at::Tensor copy_src_b = at::empty({bwd_bytes / 2}, cuda.dtype(at::kByte));
+  at::Tensor copy_dst_b = at::empty_like(copy_src_b);
+
+  const Timing fwd = time_both([&] { pre_gdr_gate(a, b, A_log, dt_bias); });
+  const double copy_fwd = graph_ms([&] {
+    cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), fwd_bytes / 2, cudaMemcpyDeviceToDevice,
+                    c10::cuda::getCurrentCUDAStream().stream());
+  });
+  const double copy_bwd = graph_ms([&] {
+    cudaMemcpyAsync(copy_dst_b.data_ptr(), copy_src_b.data_ptr(), bwd_bytes / 2, cudaMemcpyDeviceToDevice,
+                    c10::cuda::getCurrentCUDAStream().stream());
+  });
+  auto backward = [&] { pre_gdr_gate_backward(grad_g, grad_beta, a, b, A_log, dt_bias); };
+  Timing bwd_atomic, bwd_ordered;
+  std::string atomic_tile, ordered_tile;
+  {
+    DeterministicModeGuard mode(false);
+    bwd_atomic = time_both(backward);
+    atomic_tile = kernels::to_string(pre_gdr_gate_last_backward().tile);
+  }
+  Timing bwd_two_pass;
+  {
+    DeterministicModeGuard mode(true);
+    bwd_ordered = time_both(backward);
+    ordered_tile = kernels::to_string(pre_gdr_gate_last_backward().tile);
+    if (pre_gdr_gate_last_backward().reduction == kernels::GateReduction::kOrderedSinglePass) {
+      ordered_tile += " single-pass";
+    }
+    set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+    bwd_two_pass = time_both(backward);
+    set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+  }
+  // Fused vs composite forward+backward through autograd (the way training runs it).
+  auto fwd_bwd = [&](bool fused) {
+    at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
+    at::Tensor A_ = A_log.detach().requires_grad_(true), dt_ = dt_bias.detach().requires_grad_(true);
+    auto [g, beta] = fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
+    torch::autograd::grad({g, beta}, {a_, b_, A_, dt_}, {grad_g, grad_beta});
+  };
+  Timing fused_fb, composite_fb;
+  {
+    DeterministicModeGuard mode(false);
+    fused_fb = time_both([&] { fwd_bwd(true); });
+    composite_fb = time_both([&] { fwd_bwd(false); });
+  }
+
+  auto gbs = [](int64_t bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; };
+  std::printf(
+      "| %lld | %lld | %s | %.1f / %.1f (%.0f GB/s, %.2f of copy) | %.1f / %.1f [%s] | %.1f / %.1f [%s] | "
+      "%.3f / %.3f | %.1f / %.1f | %.0f GB/s, %.2f of copy | %.1f / %.1f | %.1f / %.1f | %.2fx / %.2fx |\n",
+      static_cast<long long>(shape.tokens), static_cast<long long>(shape.heads),
+      c10::toString(dtype), fwd.eager * 1e3, fwd.graph * 1e3, gbs(fwd_bytes, fwd.graph),
+      copy_fwd / fwd.graph, bwd_atomic.eager * 1e3, bwd_atomic.graph * 1e3, atomic_tile.c_str(),
+      bwd_ordered.eager * 1e3, bwd_ordered.graph * 1e3, ordered_tile.c_str(),
+      bwd_ordered.eager / bwd_atomic.eager, bwd_ordered.graph / bwd_atomic.graph,
+      bwd_two_pass.eager * 1e3, bwd_two_pass.graph * 1e3,
+      gbs(bwd_bytes, bwd_ordered.graph), copy_bwd / bwd_ordered.graph, fused_fb.eager * 1e3,
+      fused_fb.graph * 1e3, composite_fb.eager * 1e3, composite_fb.graph * 1e3,
+      composite_fb.eager / fused_fb.eager, composite_fb.graph / fused_fb.graph);
+  std::fflush(stdout);
+
+  if (!print_tiles) return;
+  const kernels::GateShape gshape{1, shape.tokens, shape.heads};
+  for (const kernels::GateTile& tile : kernels::pre_gdr_gate_candidate_tiles()) {
+    set_pre_gdr_gate_tile_override(tile);
+    double t_atomic, t_ordered;
+    {
+      DeterministicModeGuard mode(false);
+      t_atomic = graph_ms(backward);
+    }
+    {
+      DeterministicModeGuard mode(true);
+      t_ordered = graph_ms(backward);
+    }
+    std::printf("tile %s tokens=%lld heads=%lld %s graph_us atomic=%.2f ordered=%.2f static_cost=%.3f\n",
+                kernels::to_string(tile).c_str(), static_cast<long long>(shape.tokens),
+                static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
+                kernels::gate_tile_static_cost(tile, gshape));
+  }
+  set_pre_gdr_gate_tile_override(std::nullopt);
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace gdr
+
+int main(int argc, char** argv) {
+  bool print_tiles = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0) {
+      std::printf("usage: pre_gdr_gate_bench [--tiles]\n"
+                  "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
+                  "  composite forward+backward) against a device copy of the same bytes.\n"
+                  "  --tiles  also time every candidate tile of the backward in both modes\n");
+      return 0;
+    }
+    if (std::strcmp(argv[i], "--tiles") == 0) {
+      print_tiles = true;
+    } else {
+      std::fprintf(stderr, "pre_gdr_gate_bench: unknown argument '%s' (see --help)\n", argv[i]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("GPU: %s, %d SMs; warm-up %d, median of %d; times in us as eager / graph "
+              "(see the header of bench/pre_gdr_gate_bench.cc); bandwidth from graph times\n\n",
+              prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
+  std::printf("| tokens | Hv | dtype | forward | backward atomic [tile] | backward ordered [tile] | "
+              "ordered/atomic | single-pass ordered | ordered backward BW | fused fwd+bwd | composite fwd+bwd | "
+              "composite/fused |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false);
+  }
+  if (print_tiles) {
+    std::printf("\n");
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true);
+  }
+  return 0;
+}

@@ -1,0 +1,471 @@
+// QwenConfig loading and validation. Both formats are read with yaml-cpp: JSON is YAML's
+// flow style, so one strict, table-driven reader serves our YAML and HF's config.json.
+#include "models/qwen/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <functional>
+#include <set>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace gdr {
+namespace {
+
+// Keys of a Hugging Face Qwen3.5 text config that do not change the text model we build
+// for training (token ids, serving options, dtype of the checkpoint, the MTP head, which
+// gdr does not train). Anything outside this list and the model keys is an error.
+const std::set<std::string>& ignored_hf_keys() {
+  static const auto* keys = new std::set<std::string>{"_name_or_path",
+                                                      "architectures",
+                                                      "model_type",
+                                                      "transformers_version",
+                                                      "dtype",
+                                                      "torch_dtype",
+                                                      "bos_token_id",
+                                                      "eos_token_id",
+                                                      "pad_token_id",
+                                                      "use_cache",
+                                                      "attention_dropout",
+                                                      "mtp_num_hidden_layers",
+                                                      "mtp_use_dedicated_embeddings",
+                                                      "mamba_ssm_dtype",
+                                                      "output_attentions",
+                                                      "output_hidden_states",
+                                                      "return_dict",
+                                                      "use_sliding_window",
+                                                      "sliding_window",
+                                                      "max_window_layers"};
+  return *keys;
+}
+
+// Where a value came from, for messages: "<file>: <prefix><key>: <problem>".
+struct Source {
+  std::string file;
+  std::string prefix;
+
+  absl::Status error(absl::string_view key, absl::string_view problem) const {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", prefix, key, ": ", problem));
+  }
+};
+
+std::string describe(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return "null";
+  if (node.IsSequence()) return "a list";
+  if (node.IsMap()) return "a mapping";
+  return absl::StrCat("'", node.Scalar(), "'");
+}
+
+// A quoted scalar ("64") carries the non-specific tag "!": it is a string, not a number or
+// a bool, even though yaml-cpp would convert it.
+bool is_plain_scalar(const YAML::Node& node) {
+  return node.IsDefined() && node.IsScalar() && node.Tag() != "!";
+}
+
+template <typename T>
+absl::Status read_plain(const YAML::Node& node, absl::string_view key, const Source& source,
+                        absl::string_view expected, T* out) {
+  auto wrong = [&] {
+    return source.error(key, absl::StrCat("expected ", expected, " but got ", describe(node)));
+  };
+  if (!is_plain_scalar(node)) return wrong();
+  try {
+    *out = node.as<T>();
+  } catch (const YAML::Exception&) {
+    return wrong();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status read_int(const YAML::Node& node, absl::string_view key, const Source& source,
+                      int64_t* out) {
+  return read_plain(node, key, source, "an integer", out);
+}
+
+absl::Status read_double(const YAML::Node& node, absl::string_view key, const Source& source,
+                         double* out) {
+  return read_plain(node, key, source, "a number", out);
+}
+
+absl::Status read_bool(const YAML::Node& node, absl::string_view key, const Source& source,
+                       bool* out) {
+  return read_plain(node, key, source, "a boolean (true or false)", out);
+}
+
+absl::Status read_string(const YAML::Node& node, absl::string_view key, const Source& source,
+                         std::string* out) {
+  if (!node.IsDefined() || !node.IsScalar()) {
+    return source.error(key, absl::StrCat("expected a string but got ", describe(node)));
+  }
+  *out = node.Scalar();
+  return absl::OkStatus();
+}
+
+absl::Status read_string_list(const YAML::Node& node, absl::string_view key, const Source& source,
+                              std::vector<std::string>* out) {
+  if (!node.IsSequence()) {
+    return source.error(key, absl::StrCat("expected a list of strings but got ", describe(node)));
+  }
+  out->clear();
+  for (size_t i = 0; i < node.size(); ++i) {
+    std::string item;
+    if (absl::Status s = read_string(node[i], absl::StrCat(key, "[", i, "]"), source, &item);
+        !s.ok()) {
+      return s;
+    }
+    out->push_back(std::move(item));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status read_fusion(const YAML::Node& node, absl::string_view key, const Source& source,
+                         PreGdrFusion* out) {
+  std::string text;
+  if (absl::Status s = read_string(node, key, source, &text); !s.ok()) return s;
+  if (text == "none") {
+    *out = PreGdrFusion::kNone;
+  } else if (text == "gate") {
+    *out = PreGdrFusion::kGate;
+  } else if (text == "full") {
+    *out = PreGdrFusion::kFull;
+  } else {
+    return source.error(key, absl::StrCat("expected one of none, gate, full but got '", text, "'"));
+  }
+  return absl::OkStatus();
+}
+
+using Setter =
+    std::function<absl::Status(const YAML::Node&, absl::string_view, const Source&, QwenConfig&)>;
+struct Field {
+  const char* name;
+  bool required;
+  Setter set;
+};
+
+Setter int_field(int64_t QwenConfig::*member) {
+  return [member](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+    return read_int(n, k, s, &(c.*member));
+  };
+}
+Setter double_field(double QwenConfig::*member) {
+  return [member](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+    return read_double(n, k, s, &(c.*member));
+  };
+}
+Setter bool_field(bool QwenConfig::*member) {
+  return [member](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+    return read_bool(n, k, s, &(c.*member));
+  };
+}
+
+const std::vector<Field>& model_fields() {
+  static const auto* fields = new std::vector<Field>{
+      {"hidden_size", true, int_field(&QwenConfig::hidden_size)},
+      {"num_hidden_layers", true, int_field(&QwenConfig::num_hidden_layers)},
+      {"intermediate_size", true, int_field(&QwenConfig::intermediate_size)},
+      {"vocab_size", true, int_field(&QwenConfig::vocab_size)},
+      {"num_attention_heads", true, int_field(&QwenConfig::num_attention_heads)},
+      {"num_key_value_heads", true, int_field(&QwenConfig::num_key_value_heads)},
+      {"head_dim", true, int_field(&QwenConfig::head_dim)},
+      {"linear_num_key_heads", true, int_field(&QwenConfig::linear_num_key_heads)},
+      {"linear_num_value_heads", true, int_field(&QwenConfig::linear_num_value_heads)},
+      {"linear_key_head_dim", true, int_field(&QwenConfig::linear_key_head_dim)},
+      {"linear_value_head_dim", true, int_field(&QwenConfig::linear_value_head_dim)},
+      {"linear_conv_kernel_dim", false, int_field(&QwenConfig::linear_conv_kernel_dim)},
+      {"rms_norm_eps", false, double_field(&QwenConfig::rms_norm_eps)},
+      {"layer_types", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_string_list(n, k, s, &c.layer_types);
+       }},
+      {"full_attention_interval", false, int_field(&QwenConfig::full_attention_interval)},
+      {"rope_theta", false, double_field(&QwenConfig::rope_theta)},
+      {"partial_rotary_factor", false, double_field(&QwenConfig::partial_rotary_factor)},
+      {"tie_word_embeddings", false, bool_field(&QwenConfig::tie_word_embeddings)},
+      {"hidden_act", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_string(n, k, s, &c.hidden_act);
+       }},
+      {"max_position_embeddings", false, int_field(&QwenConfig::max_position_embeddings)},
+      {"initializer_range", false, double_field(&QwenConfig::initializer_range)},
+      {"pre_gdr_fusion", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_fusion(n, k, s, &c.pre_gdr_fusion);
+       }},
+      {"deterministic_mode", false, bool_field(&QwenConfig::deterministic_mode)},
+  };
+  return *fields;
+}
+
+const Field* find_field(const std::string& key) {
+  for (const Field& f : model_fields()) {
+    if (key == f.name) return &f;
+  }
+  return nullptr;
+}
+
+// HF-only keys that are checked rather than ignored: they would change the model if they
+// had another value than the one gdr builds.
+absl::Status read_hf_extra(const std::string& key, const YAML::Node& node, const Source& source,
+                           QwenConfig& config, bool* handled) {
+  *handled = true;
+  if (key == "attention_bias" || key == "attn_output_gate") {
+    bool value = false;
+    if (absl::Status s = read_bool(node, key, source, &value); !s.ok()) return s;
+    const bool wanted = key == "attn_output_gate";  // gated attention, no biases
+    if (value != wanted) {
+      return source.error(
+          key, absl::StrCat("expected ", wanted ? "true" : "false",
+                            " (the only variant gdr builds) but got ", value ? "true" : "false"));
+    }
+    return absl::OkStatus();
+  }
+  if (key == "mlp_only_layers") {
+    if (!node.IsSequence() || node.size() != 0) {
+      return source.error(key,
+                          absl::StrCat("expected an empty list (gdr builds no MoE layers) but got ",
+                                       describe(node)));
+    }
+    return absl::OkStatus();
+  }
+  if (key == "rope_parameters" || key == "rope_scaling") {
+    if (node.IsNull()) return absl::OkStatus();
+    if (!node.IsMap()) {
+      return source.error(key, absl::StrCat("expected a mapping but got ", describe(node)));
+    }
+    const Source nested{source.file, absl::StrCat(source.prefix, key, ".")};
+    for (const auto& item : node) {
+      const std::string sub = item.first.as<std::string>();
+      absl::Status s = absl::OkStatus();
+      if (sub == "rope_theta") {
+        s = read_double(item.second, sub, nested, &config.rope_theta);
+      } else if (sub == "partial_rotary_factor") {
+        s = read_double(item.second, sub, nested, &config.partial_rotary_factor);
+      } else if (sub == "rope_type" || sub == "type") {
+        std::string type;
+        s = read_string(item.second, sub, nested, &type);
+        if (s.ok() && type != "default") {
+          s = nested.error(
+              sub, absl::StrCat("expected 'default' (no RoPE scaling) but got '", type, "'"));
+        }
+      } else if (sub == "mrope_section" || sub == "mrope_interleaved") {
+        // Text-only input gives the three mRoPE axes one position, which is plain RoPE.
+      } else {
+        s = nested.error(sub, "unknown key");
+      }
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  *handled = false;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QwenConfig> parse_section(const YAML::Node& section, const Source& source, bool hf) {
+  if (!section.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source.file, ": expected a mapping of model settings but got ", describe(section)));
+  }
+  QwenConfig config;
+  std::set<std::string> seen;
+  std::vector<std::pair<std::string, YAML::Node>> deferred;  // rope_parameters after flat keys
+  for (const auto& item : section) {
+    const std::string key = item.first.as<std::string>();
+    if (const Field* field = find_field(key)) {
+      if (absl::Status s = field->set(item.second, key, source, config); !s.ok()) return s;
+      seen.insert(key);
+      continue;
+    }
+    if (hf && ignored_hf_keys().count(key) > 0) continue;
+    if (hf && (key == "rope_parameters" || key == "rope_scaling")) {
+      deferred.emplace_back(key, item.second);
+      continue;
+    }
+    bool handled = false;
+    if (hf) {
+      if (absl::Status s = read_hf_extra(key, item.second, source, config, &handled); !s.ok()) {
+        return s;
+      }
+    }
+    if (!handled) return source.error(key, "unknown key");
+  }
+  for (const auto& [key, node] : deferred) {
+    bool handled = false;
+    if (absl::Status s = read_hf_extra(key, node, source, config, &handled); !s.ok()) return s;
+  }
+  for (const Field& field : model_fields()) {
+    if (field.required && seen.count(field.name) == 0) {
+      return source.error(field.name, "required key is missing");
+    }
+  }
+  if (seen.count("layer_types") == 0 && config.full_attention_interval > 0) {
+    config.layer_types.clear();
+    for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+      const bool full = (i + 1) % config.full_attention_interval == 0;
+      config.layer_types.emplace_back(full ? kFullAttention : kLinearAttention);
+    }
+  }
+  return config;
+}
+
+absl::StatusOr<YAML::Node> load_file(const std::string& path) {
+  try {
+    return YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
+  } catch (const YAML::ParserException& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ":", e.mark.line + 1, ":", e.mark.column + 1, ": parse error: ", e.msg));
+  }
+}
+
+}  // namespace
+
+absl::string_view pre_gdr_fusion_name(PreGdrFusion fusion) {
+  switch (fusion) {
+    case PreGdrFusion::kNone: return "none";
+    case PreGdrFusion::kGate: return "gate";
+    case PreGdrFusion::kFull: return "full";
+  }
+  return "unknown";
+}
+
+int64_t QwenConfig::rotary_dim() const {
+  return static_cast<int64_t>(std::llround(static_cast<double>(head_dim) * partial_rotary_factor));
+}
+
+absl::Status validate_qwen_config(const QwenConfig& c, absl::string_view file,
+                                  absl::string_view key_prefix) {
+  const Source source{std::string(file), std::string(key_prefix)};
+  // Fusion rules first. Note: the deterministic/full conflict is checked before "full is
+  // not implemented" so that it keeps guarding once full fusion exists.
+  if (c.deterministic_mode && c.pre_gdr_fusion == PreGdrFusion::kFull) {
+    return source.error(
+        "deterministic_mode",
+        absl::StrCat("true cannot be combined with ", key_prefix,
+                     "pre_gdr_fusion: full (the fully fused pre-GDR path has no ordered, "
+                     "bit-reproducible backward); use pre_gdr_fusion: gate or none"));
+  }
+  if (c.pre_gdr_fusion == PreGdrFusion::kFull) {
+    return source.error("pre_gdr_fusion", "'full' is not implemented yet; use 'gate' or 'none'");
+  }
+  const std::pair<const char*, int64_t> positives[] = {
+      {"hidden_size", c.hidden_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"intermediate_size", c.intermediate_size},
+      {"vocab_size", c.vocab_size},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"linear_num_key_heads", c.linear_num_key_heads},
+      {"linear_num_value_heads", c.linear_num_value_heads},
+      {"linear_key_head_dim", c.linear_key_head_dim},
+      {"linear_value_head_dim", c.linear_value_head_dim},
+      {"linear_conv_kernel_dim", c.linear_conv_kernel_dim},
+      {"full_attention_interval", c.full_attention_interval},
+      {"max_position_embeddings", c.max_position_embeddings},
+  };
+  for (const auto& [key, value] : positives) {
+    if (value <= 0)
+      return source.error(key, absl::StrCat("expected a positive integer but got ", value));
+  }
+  if (!(c.rms_norm_eps > 0)) {
+    return source.error("rms_norm_eps",
+                        absl::StrCat("expected a positive number but got ", c.rms_norm_eps));
+  }
+  if (!(c.rope_theta > 0)) {
+    return source.error("rope_theta",
+                        absl::StrCat("expected a positive number but got ", c.rope_theta));
+  }
+  if (!(c.initializer_range > 0)) {
+    return source.error("initializer_range",
+                        absl::StrCat("expected a positive number but got ", c.initializer_range));
+  }
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return source.error("num_attention_heads",
+                        absl::StrCat("expected a multiple of ", key_prefix, "num_key_value_heads (",
+                                     c.num_key_value_heads, ") but got ", c.num_attention_heads));
+  }
+  if (c.linear_num_value_heads % c.linear_num_key_heads != 0) {
+    return source.error(
+        "linear_num_value_heads",
+        absl::StrCat("expected a multiple of ", key_prefix, "linear_num_key_heads (",
+                     c.linear_num_key_heads, ") but got ", c.linear_num_value_heads));
+  }
+  if (static_cast<int64_t>(c.layer_types.size()) != c.num_hidden_layers) {
+    return source.error("layer_types",
+                        absl::StrCat("expected ", c.num_hidden_layers, " entries (", key_prefix,
+                                     "num_hidden_layers) but got ", c.layer_types.size()));
+  }
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.layer_types[i] != kLinearAttention && c.layer_types[i] != kFullAttention) {
+      return source.error(absl::StrCat("layer_types[", i, "]"),
+                          absl::StrCat("expected linear_attention or full_attention but got '",
+                                       c.layer_types[i], "'"));
+    }
+  }
+  const double rotary = static_cast<double>(c.head_dim) * c.partial_rotary_factor;
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) ||
+      rotary != std::floor(rotary) || static_cast<int64_t>(rotary) % 2 != 0) {
+    return source.error(
+        "partial_rotary_factor",
+        absl::StrCat("expected a factor in (0, 1] that makes head_dim (", c.head_dim,
+                     ") * factor an even integer but got ", c.partial_rotary_factor));
+  }
+  if (c.hidden_act != "silu") {
+    return source.error("hidden_act",
+                        absl::StrCat("expected 'silu' (the only supported activation) but got '",
+                                     c.hidden_act, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QwenConfig> load_qwen_config_yaml(const std::string& path) {
+  absl::StatusOr<YAML::Node> root = load_file(path);
+  if (!root.ok()) return root.status();
+  // Note: YAML::Node assignment writes through to the referenced node, so the section is
+  // chosen at construction rather than by reassigning a node that aliases the root.
+  const bool in_run_config = root->IsMap() && (*root)["model"];
+  const Source source{path, in_run_config ? "model." : ""};
+  const YAML::Node section = in_run_config ? (*root)["model"] : *root;
+  absl::StatusOr<QwenConfig> config = parse_section(section, source, /*hf=*/false);
+  if (!config.ok()) return config.status();
+  if (absl::Status s = validate_qwen_config(*config, source.file, source.prefix); !s.ok()) return s;
+  return config;
+}
+
+absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path) {
+  absl::StatusOr<YAML::Node> root = load_file(path);
+  if (!root.ok()) return root.status();
+  if (!root->IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": expected a JSON object but got ", describe(*root)));
+  }
+  // Composite (vision + text) checkpoints nest the text model; the rest of the top level
+  // (vision_config, token ids ...) is not ours to read.
+  const bool nested = static_cast<bool>((*root)["text_config"]);
+  const Source source{path, nested ? "text_config." : ""};
+  const YAML::Node section = nested ? (*root)["text_config"] : *root;
+  absl::StatusOr<QwenConfig> config = parse_section(section, source, /*hf=*/true);
+  if (!config.ok()) return config.status();
+  if (nested && (*root)["tie_word_embeddings"]) {
+    const Source top{path, ""};
+    if (absl::Status s = read_bool((*root)["tie_word_embeddings"], "tie_word_embeddings", top,
+                                   &config->tie_word_embeddings);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = validate_qwen_config(*config, source.file, source.prefix); !s.ok()) return s;
+  return config;
+}
+
+absl::StatusOr<QwenConfig> load_qwen_config(const std::string& path) {
+  if (absl::EndsWith(path, ".json")) return load_qwen_config_hf_json(path);
+  return load_qwen_config_yaml(path);
+}
+
+}  // namespace gdr

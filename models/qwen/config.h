@@ -1,0 +1,100 @@
+// QwenConfig: the shape of a Qwen3.5 text model plus gdr's own model settings, loaded from
+// our YAML run configs or from a Hugging Face config.json, and validated.
+//
+// Keys are named exactly like Hugging Face's Qwen3.5 text config.json, so a config can be
+// copied between the two. gdr adds two keys:
+//   pre_gdr_fusion: none | gate | full   how the pre-GDR gate runs (default gate):
+//       none = unfused ATen composite (gdr::pre_gdr_gate_composite),
+//       gate = the fused gate op (gdr::pre_gdr_gate),
+//       full = gate fused into the GDR core: not implemented yet, rejected.
+//   deterministic_mode: bool             ordered, bit-reproducible paths (default false);
+//       see apply_deterministic_mode() in models/qwen/deterministic_mode.h.
+//
+// Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message
+// is "<file>: <key path>: <what is wrong>", e.g.
+//   "configs/x.yaml: model.linear_num_value_heads: expected a multiple of
+//    linear_num_key_heads (2) but got 3".
+// Unknown keys are errors in both formats (a misspelt key must not silently fall back to
+// a default). A Hugging Face file may also carry keys that do not change the text model
+// (token ids, dtype, MTP head, mRoPE sections ...): those are accepted and ignored, see
+// ignored_hf_keys() in config.cc.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace gdr {
+
+enum class PreGdrFusion { kNone, kGate, kFull };
+
+absl::string_view pre_gdr_fusion_name(PreGdrFusion fusion);
+
+inline constexpr absl::string_view kLinearAttention = "linear_attention";
+inline constexpr absl::string_view kFullAttention = "full_attention";
+
+struct QwenConfig {
+  // Required sizes.
+  int64_t hidden_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t intermediate_size = 0;
+  int64_t vocab_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t linear_num_key_heads = 0;    // Hk
+  int64_t linear_num_value_heads = 0;  // Hv, a multiple of Hk
+  int64_t linear_key_head_dim = 0;     // dk
+  int64_t linear_value_head_dim = 0;   // dv
+  // Optional, defaults are Qwen3.5-0.8B's.
+  int64_t linear_conv_kernel_dim = 4;
+  double rms_norm_eps = 1e-6;
+  // One of kLinearAttention / kFullAttention per layer. When absent from a file it is
+  // derived from full_attention_interval: layer i is full iff (i + 1) % interval == 0.
+  std::vector<std::string> layer_types;
+  int64_t full_attention_interval = 4;
+  double rope_theta = 1e7;
+  double partial_rotary_factor = 0.25;
+  bool tie_word_embeddings = true;
+  std::string hidden_act = "silu";  // the only supported activation
+  int64_t max_position_embeddings = 262144;
+  double initializer_range = 0.02;
+  // gdr keys.
+  PreGdrFusion pre_gdr_fusion = PreGdrFusion::kGate;
+  bool deterministic_mode = false;
+
+  // Derived sizes.
+  int64_t linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
+  int64_t linear_value_dim() const { return linear_num_value_heads * linear_value_head_dim; }
+  // Channels of the GDN causal conv: q, k and v together.
+  int64_t linear_conv_dim() const { return 2 * linear_key_dim() + linear_value_dim(); }
+  int64_t rotary_dim() const;  // head_dim * partial_rotary_factor
+  bool is_full_attention(int64_t layer) const { return layer_types.at(layer) == kFullAttention; }
+};
+
+// Checks consistency (positive sizes, head divisibility, layer_types,
+// rotary dims, fusion rules). `source` and `key_prefix` only shape the messages
+// ("<source>: <key_prefix><key>: ..."). The deterministic_mode + pre_gdr_fusion: full
+// conflict is checked before "full is not implemented", so the rule survives full fusion.
+absl::Status validate_qwen_config(const QwenConfig& config, absl::string_view source,
+                                  absl::string_view key_prefix = "");
+
+// Our YAML: either a run config with a `model:` section (other sections belong to the
+// trainer and are not read here; keys are reported as "model.<key>"), or a file that is
+// only the model section. Layer types missing -> derived from full_attention_interval.
+absl::StatusOr<QwenConfig> load_qwen_config_yaml(const std::string& path);
+
+// A Hugging Face config.json, flat (Qwen3_5ForCausalLM, keys reported bare) or nested
+// under `text_config` (Qwen3_5ForConditionalGeneration, keys reported "text_config.<key>";
+// a top-level tie_word_embeddings wins over the nested one, as in transformers). rope_theta
+// and partial_rotary_factor are read flat or from `rope_parameters` / `rope_scaling`.
+absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path);
+
+// Either loader by extension: ".json" -> Hugging Face, otherwise YAML.
+absl::StatusOr<QwenConfig> load_qwen_config(const std::string& path);
+
+}  // namespace gdr

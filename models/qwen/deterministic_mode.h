@@ -1,0 +1,28 @@
+// Model-level deterministic mode: turns the `deterministic_mode` config key into process
+// state before a model runs.
+//
+// When config.deterministic_mode is true:
+//   - at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false), which
+//     sends ATen and gdr's ops down their ordered paths (gdr's ops read it through
+//     use_deterministic_mode(); see Note [Deterministic mode resolution] in
+//     ops/determinism.h) and makes ATen throw on ops with no deterministic path;
+//   - CUBLAS_WORKSPACE_CONFIG is pinned to ":4096:8" when unset, because cuBLAS is only
+//     reproducible with a fixed workspace. A value other than ":4096:8" or ":16:8" is an
+//     error (absl::FailedPreconditionError naming the variable and its value), not
+//     silently overridden: someone set it on purpose.
+// When false, nothing is changed (an earlier setting is left alone).
+// Call it once at start-up, before any CUDA/cuBLAS work: cuBLAS reads the variable when a
+// handle is created. Not thread-safe (setenv).
+#pragma once
+
+#include "absl/status/status.h"
+#include "models/qwen/config.h"
+
+namespace gdr {
+
+inline constexpr char kCublasWorkspaceConfigVar[] = "CUBLAS_WORKSPACE_CONFIG";
+inline constexpr char kCublasWorkspaceConfigDefault[] = ":4096:8";
+
+absl::Status apply_deterministic_mode(const QwenConfig& config);
+
+}  // namespace gdr

@@ -1,0 +1,230 @@
+#include "models/qwen/layers.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/conv1d.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "ops/gdr_core.h"
+#include "ops/pre_gdr_gate.h"
+
+namespace gdr {
+namespace {
+
+// q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
+constexpr double kQkL2NormEps = 1e-6;
+
+torch::nn::Linear linear_no_bias(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+void check_activation(const char* module, const at::Tensor& x, int64_t hidden) {
+  TORCH_CHECK(x.dim() == 3 && x.size(-1) == hidden, module, ": expected x of shape [B, T, ", hidden,
+              "] but got ", x.sizes());
+}
+
+}  // namespace
+
+at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * (xf.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
+  return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
+                          double eps, at::ScalarType out_dtype) {
+  TORCH_CHECK(o.sizes() == z.sizes(), "gated_rms_norm: expected z of shape ", o.sizes(),
+              " (same as o) but got ", z.sizes());
+  // FP64 inputs stay FP64 so finite-difference tests can be tight; otherwise FP32.
+  const at::ScalarType ct = o.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor of = o.to(ct);
+  const at::Tensor normed = of * (of.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
+  return (normed * weight.to(ct) * at::silu(z.to(ct))).to(out_dtype);
+}
+
+at::Tensor l2_normalize(const at::Tensor& x, double eps) {
+  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor xf = x.to(ct);
+  return xf * (xf.pow(2).sum(-1, /*keepdim=*/true) + eps).rsqrt();
+}
+
+at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
+  TORCH_CHECK(x.dim() == 4, "apply_partial_rope: expected x of shape [B, H, T, hd] but got ",
+              x.sizes());
+  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= x.size(-1),
+              "apply_partial_rope: expected an even rotary_dim in (0, ", x.size(-1), "] but got ",
+              rotary_dim);
+  const int64_t T = x.size(2);
+  const auto f32 = x.options().dtype(at::kFloat);
+  const at::Tensor inv_freq = at::arange(0, rotary_dim, 2, f32)
+                                  .div(static_cast<double>(rotary_dim))
+                                  .mul(-std::log(theta))
+                                  .exp();
+  const at::Tensor freqs = at::arange(T, f32).outer(inv_freq);  // [T, rotary_dim / 2]
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);        // [T, rotary_dim]
+  const at::Tensor cos = angles.cos(), sin = angles.sin();
+
+  const at::Tensor rot = x.narrow(-1, 0, rotary_dim).to(at::kFloat);
+  const at::Tensor pass = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
+  const int64_t half = rotary_dim / 2;
+  const at::Tensor rotated_half =
+      at::cat({-rot.narrow(-1, half, half), rot.narrow(-1, 0, half)}, -1);
+  const at::Tensor rope = (rot * cos + rotated_half * sin).to(x.scalar_type());
+  return at::cat({rope, pass}, -1);
+}
+
+ZeroCenteredRMSNormImpl::ZeroCenteredRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::zeros({dim}));
+}
+
+at::Tensor ZeroCenteredRMSNormImpl::forward(const at::Tensor& x) {
+  return zero_centered_rms_norm(x, weight, eps_);
+}
+
+RMSNormGatedImpl::RMSNormGatedImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormGatedImpl::forward(const at::Tensor& o, const at::Tensor& z) {
+  return gated_rms_norm(o, z, weight, eps_, z.scalar_type());
+}
+
+GatedDeltaNetImpl::GatedDeltaNetImpl(const QwenConfig& c)
+    : num_k_heads_(c.linear_num_key_heads),
+      num_v_heads_(c.linear_num_value_heads),
+      k_head_dim_(c.linear_key_head_dim),
+      v_head_dim_(c.linear_value_head_dim),
+      kernel_size_(c.linear_conv_kernel_dim),
+      fusion_(PreGdrFusion::kGate) {
+  set_pre_gdr_fusion(c.pre_gdr_fusion);
+  const int64_t D = c.hidden_size;
+  const int64_t conv_dim = c.linear_conv_dim();
+  in_proj_qkv = register_module("in_proj_qkv", linear_no_bias(D, conv_dim));
+  in_proj_z = register_module("in_proj_z", linear_no_bias(D, c.linear_value_dim()));
+  in_proj_b = register_module("in_proj_b", linear_no_bias(D, num_v_heads_));
+  in_proj_a = register_module("in_proj_a", linear_no_bias(D, num_v_heads_));
+  // Depthwise: one length-K filter per channel; causality comes from the explicit left
+  // pad in forward, so the module itself pads nothing.
+  conv1d = register_module(
+      "conv1d",
+      torch::nn::Conv1d(
+          torch::nn::Conv1dOptions(conv_dim, conv_dim, kernel_size_).groups(conv_dim).bias(false)));
+  dt_bias = register_parameter("dt_bias", at::ones({num_v_heads_}));
+  // Placeholder value; init_qwen_weights draws log U(0.01, 16) from the seed.
+  A_log = register_parameter("A_log", at::zeros({num_v_heads_}));
+  norm = register_module("norm", RMSNormGated(v_head_dim_, c.rms_norm_eps));
+  out_proj = register_module("out_proj", linear_no_bias(c.linear_value_dim(), D));
+}
+
+void GatedDeltaNetImpl::set_pre_gdr_fusion(PreGdrFusion fusion) {
+  TORCH_CHECK(
+      fusion != PreGdrFusion::kFull,
+      "GatedDeltaNet: expected pre_gdr_fusion none or gate but got full (not implemented yet)");
+  fusion_ = fusion;
+}
+
+at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
+  check_activation("GatedDeltaNet", x, in_proj_qkv->options.in_features());
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t key_dim = num_k_heads_ * k_head_dim_, value_dim = num_v_heads_ * v_head_dim_;
+
+  // Causal depthwise conv over time: left pad K-1 so token t sees t-K+1..t only.
+  at::Tensor qkv = in_proj_qkv(x).transpose(1, 2);  // [B, conv_dim, T]
+  qkv = at::conv1d(at::constant_pad_nd(qkv, {kernel_size_ - 1, 0}, 0.0), conv1d->weight,
+                   /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},
+                   /*padding=*/at::IntArrayRef{0}, /*dilation=*/at::IntArrayRef{1},
+                   /*groups=*/qkv.size(1));
+  qkv = at::silu(qkv).transpose(1, 2);  // [B, T, conv_dim]
+
+  at::Tensor q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
+  at::Tensor k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
+  // The core runs in FP32 whatever the activations; giving it FP32 q/k/v (q/k straight
+  // from the FP32 L2 norm) avoids a round trip through 16-bit before it.
+  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor v =
+      qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
+  q = l2_normalize(q, kQkL2NormEps).to(ct);
+  k = l2_normalize(k, kQkL2NormEps).to(ct);
+  if (num_v_heads_ > num_k_heads_) {
+    // Each key head serves Hv/Hk consecutive value heads.
+    const int64_t repeats = num_v_heads_ / num_k_heads_;
+    q = q.repeat_interleave(repeats, /*dim=*/2);
+    k = k.repeat_interleave(repeats, /*dim=*/2);
+  }
+
+  const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
+  // g and beta come back FP32 from either form of the gate.
+  const auto [g, beta] = fusion_ == PreGdrFusion::kGate
+                             ? pre_gdr_gate(a, b, A_log, dt_bias)
+                             : pre_gdr_gate_composite(a, b, A_log, dt_bias);
+
+  const double scale = 1.0 / std::sqrt(static_cast<double>(k_head_dim_));
+  at::Tensor o;
+  switch (core_algorithm_) {
+    case GdrCoreAlgorithm::kDispatch:
+      o = std::get<0>(gated_delta_rule(q, k, v, g, beta, scale));
+      break;
+    case GdrCoreAlgorithm::kChunked:
+      o = std::get<0>(gated_delta_rule_chunked(q, k, v, g, beta, scale));
+      break;
+    case GdrCoreAlgorithm::kRecurrent:
+      o = std::get<0>(gated_delta_rule_recurrent(q, k, v, g, beta, scale));
+      break;
+  }
+  const at::Tensor z = in_proj_z(x).reshape({B, T, num_v_heads_, v_head_dim_});
+  o = norm(o, z);  // FP32 math, back to x's dtype (z's)
+  return out_proj(o.reshape({B, T, value_dim}));
+}
+
+GatedAttentionImpl::GatedAttentionImpl(const QwenConfig& c)
+    : num_heads_(c.num_attention_heads),
+      num_kv_heads_(c.num_key_value_heads),
+      head_dim_(c.head_dim),
+      rotary_dim_(c.rotary_dim()),
+      rope_theta_(c.rope_theta) {
+  const int64_t D = c.hidden_size;
+  q_proj = register_module("q_proj", linear_no_bias(D, 2 * num_heads_ * head_dim_));
+  k_proj = register_module("k_proj", linear_no_bias(D, num_kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", linear_no_bias(D, num_kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", linear_no_bias(num_heads_ * head_dim_, D));
+  q_norm = register_module("q_norm", ZeroCenteredRMSNorm(head_dim_, c.rms_norm_eps));
+  k_norm = register_module("k_norm", ZeroCenteredRMSNorm(head_dim_, c.rms_norm_eps));
+}
+
+at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
+  check_activation("GatedAttention", x, q_proj->options.in_features());
+  const int64_t B = x.size(0), T = x.size(1);
+  const at::Tensor query_and_gate = q_proj(x).reshape({B, T, num_heads_, 2 * head_dim_});
+  at::Tensor q = query_and_gate.narrow(-1, 0, head_dim_);
+  const at::Tensor gate = query_and_gate.narrow(-1, head_dim_, head_dim_).reshape({B, T, -1});
+  at::Tensor k = k_proj(x).reshape({B, T, num_kv_heads_, head_dim_});
+  const at::Tensor v = v_proj(x).reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
+
+  q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
+  k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
+  const at::Tensor attn = at::scaled_dot_product_attention(
+      q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+      /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)), /*enable_gqa=*/true);
+  return o_proj(attn.transpose(1, 2).reshape({B, T, -1}) * gate.sigmoid());
+}
+
+MlpImpl::MlpImpl(const QwenConfig& c) {
+  gate_proj = register_module("gate_proj", linear_no_bias(c.hidden_size, c.intermediate_size));
+  up_proj = register_module("up_proj", linear_no_bias(c.hidden_size, c.intermediate_size));
+  down_proj = register_module("down_proj", linear_no_bias(c.intermediate_size, c.hidden_size));
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+}
+
+}  // namespace gdr

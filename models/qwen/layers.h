@@ -1,0 +1,121 @@
+// The building blocks of a Qwen3.5 decoder layer (spec: shared design note qwen3_5.md):
+// the two RMSNorm flavours, the Gated DeltaNet mixer, the gated full-attention mixer and
+// the SwiGLU MLP. Submodule and parameter names are Hugging Face's, so named_parameters()
+// of the model gives checkpoint names.
+//
+// Activations are [B, T, D] in the parameters' dtype (FP32 or BF16; FP64 works for tests)
+// on any device; norms, gates, the GDR core, RoPE and the causal-conv output feed FP32
+// math as the spec asks, and each module returns its input's dtype. All modules are
+// autograd-differentiable through ATen ops and gdr ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+#include "models/qwen/config.h"
+
+namespace gdr {
+
+// Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math,
+// result in x's dtype. The one reference of this formula (tests call it).
+at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Gated RMSNorm of the GDN output, over the last dim:
+// (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math, result in `out_dtype`.
+// o, z: [..., dv]; weight: [dv].
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
+                          double eps, at::ScalarType out_dtype);
+
+// q / ||q|| along the last dim in FP32: x * rsqrt(sum(x^2) + eps), eps 1e-6 in the model.
+at::Tensor l2_normalize(const at::Tensor& x, double eps);
+
+// Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
+// 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype.
+at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
+
+// Zero-centred RMSNorm module; parameter `weight` [dim], initialised to 0.
+class ZeroCenteredRMSNormImpl : public torch::nn::Module {
+ public:
+  ZeroCenteredRMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(ZeroCenteredRMSNorm);
+
+// Gated RMSNorm module of the GDN mixer; parameter `weight` [dv], initialised to 1.
+class RMSNormGatedImpl : public torch::nn::Module {
+ public:
+  RMSNormGatedImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& o, const at::Tensor& z);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNormGated);
+
+// Which GDR implementation the mixer calls. kDispatch (the default) is gdr::gated_delta_rule;
+// the others let tests compare the chunked and recurrent forms inside the model.
+enum class GdrCoreAlgorithm { kDispatch, kChunked, kRecurrent };
+
+// Gated DeltaNet mixer (`linear_attn`). Parameters: in_proj_qkv [2*Hk*dk + Hv*dv, D],
+// in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D], conv1d.weight [conv_dim, 1, K],
+// dt_bias [Hv], A_log [Hv], norm.weight [dv], out_proj [D, Hv*dv]. No biases.
+// The pre-GDR gate runs fused (pre_gdr_fusion: gate) or as the ATen composite (none).
+class GatedDeltaNetImpl : public torch::nn::Module {
+ public:
+  explicit GatedDeltaNetImpl(const QwenConfig& config);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+
+  void set_core_algorithm(GdrCoreAlgorithm algorithm) { core_algorithm_ = algorithm; }
+  void set_pre_gdr_fusion(PreGdrFusion fusion);
+
+  torch::nn::Linear in_proj_qkv{nullptr}, in_proj_z{nullptr}, in_proj_b{nullptr},
+      in_proj_a{nullptr}, out_proj{nullptr};
+  torch::nn::Conv1d conv1d{nullptr};
+  at::Tensor dt_bias, A_log;
+  RMSNormGated norm{nullptr};
+
+ private:
+  int64_t num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_, kernel_size_;
+  PreGdrFusion fusion_;
+  GdrCoreAlgorithm core_algorithm_ = GdrCoreAlgorithm::kDispatch;
+};
+TORCH_MODULE(GatedDeltaNet);
+
+// Gated full attention (`self_attn`): q_proj [2*H*hd, D] (per head: hd query then hd
+// gate), k_proj / v_proj [Hkv*hd, D], o_proj [D, H*hd], q_norm / k_norm zero-centred over
+// hd, partial RoPE, causal GQA softmax attention with scale hd^-1/2, out * sigmoid(gate).
+class GatedAttentionImpl : public torch::nn::Module {
+ public:
+  explicit GatedAttentionImpl(const QwenConfig& config);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  ZeroCenteredRMSNorm q_norm{nullptr}, k_norm{nullptr};
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
+  double rope_theta_;
+};
+TORCH_MODULE(GatedAttention);
+
+// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const QwenConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+}  // namespace gdr

@@ -1,0 +1,135 @@
+#include "models/qwen/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/match.h"
+
+namespace gdr {
+
+DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index) {
+  input_layernorm =
+      register_module("input_layernorm", ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (c.is_full_attention(layer_index)) {
+    self_attn = register_module("self_attn", GatedAttention(c));
+  } else {
+    linear_attn = register_module("linear_attn", GatedDeltaNet(c));
+  }
+  post_attention_layernorm = register_module("post_attention_layernorm",
+                                             ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps));
+  mlp = register_module("mlp", Mlp(c));
+}
+
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
+  const at::Tensor normed = input_layernorm(hidden);
+  at::Tensor h = hidden + (linear_attn ? linear_attn(normed) : self_attn(normed));
+  return h + mlp(post_attention_layernorm(h));
+}
+
+QwenModelImpl::QwenModelImpl(const QwenConfig& c) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, i));
+  norm = register_module("norm", ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
+  TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
+              "QwenModel: expected input_ids of shape [B, T] and dtype Long but got shape ",
+              input_ids.sizes(), " and dtype ", input_ids.scalar_type());
+  at::Tensor h = embed_tokens(input_ids);
+  for (const auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h);
+  return norm(h);
+}
+
+namespace {
+QwenConfig checked(const QwenConfig& config) {
+  const absl::Status status = validate_qwen_config(config, "QwenConfig");
+  TORCH_CHECK(status.ok(), "QwenForCausalLM: invalid config: ", status.message());
+  return config;
+}
+}  // namespace
+
+QwenForCausalLMImpl::QwenForCausalLMImpl(const QwenConfig& config) : config_(checked(config)) {
+  model = register_module("model", QwenModel(config_));
+  if (!config_.tie_word_embeddings) {
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(
+            torch::nn::LinearOptions(config_.hidden_size, config_.vocab_size).bias(false)));
+  }
+}
+
+at::Tensor QwenForCausalLMImpl::forward(const at::Tensor& input_ids) {
+  const at::Tensor hidden = model(input_ids);
+  if (lm_head) return lm_head(hidden);
+  return hidden.matmul(model->embed_tokens->weight.t());
+}
+
+at::Tensor QwenForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels) {
+  return causal_lm_loss(forward(input_ids), labels);
+}
+
+void QwenForCausalLMImpl::set_gdr_core_algorithm(GdrCoreAlgorithm algorithm) {
+  for (const auto& layer : *model->layers) {
+    if (auto gdn = layer->as<DecoderLayer>()->linear_attn) gdn->set_core_algorithm(algorithm);
+  }
+}
+
+void QwenForCausalLMImpl::set_pre_gdr_fusion(PreGdrFusion fusion) {
+  for (const auto& layer : *model->layers) {
+    if (auto gdn = layer->as<DecoderLayer>()->linear_attn) gdn->set_pre_gdr_fusion(fusion);
+  }
+  config_.pre_gdr_fusion = fusion;
+}
+
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
+  TORCH_CHECK(logits.dim() == 3, "causal_lm_loss: expected logits of shape [B, T, V] but got ",
+              logits.sizes());
+  TORCH_CHECK(labels.sizes() == logits.sizes().slice(0, 2),
+              "causal_lm_loss: expected labels of shape ", logits.sizes().slice(0, 2),
+              " (B, T of logits) but got ", labels.sizes());
+  TORCH_CHECK(
+      logits.size(1) >= 2,
+      "causal_lm_loss: expected T >= 2 tokens to predict a next one but got T = ", logits.size(1));
+  const int64_t T = logits.size(1), V = logits.size(2);
+  const at::Tensor scored = logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  const at::Tensor targets = labels.narrow(1, 1, T - 1).to(at::kLong).reshape({-1});
+  return at::cross_entropy_loss(scored, targets, /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
+}
+
+void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed) {
+  at::NoGradGuard no_grad;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const double std_dev = model.config().initializer_range;
+  const double conv_bound =
+      1.0 / std::sqrt(static_cast<double>(model.config().linear_conv_kernel_dim));
+  for (auto& item : model.named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    at::Tensor& param = item.value();
+    const at::Tensor values = at::empty(param.sizes(), at::kFloat);
+    if (absl::EndsWith(name, "linear_attn.A_log")) {
+      values.uniform_(0.01, 16.0, gen).log_();
+    } else if (absl::EndsWith(name, "linear_attn.dt_bias") ||
+               absl::EndsWith(name, "linear_attn.norm.weight")) {
+      values.fill_(1.0);
+    } else if (absl::EndsWith(name, "linear_attn.conv1d.weight")) {
+      values.uniform_(-conv_bound, conv_bound, gen);
+    } else if (absl::EndsWith(name, "layernorm.weight") || absl::EndsWith(name, "q_norm.weight") ||
+               absl::EndsWith(name, "k_norm.weight") || name == "model.norm.weight") {
+      values.zero_();  // zero-centred: (1 + w) starts at identity
+    } else {
+      values.normal_(0.0, std_dev, gen);  // linears and the embedding
+    }
+    param.copy_(values);
+  }
+}
+
+}  // namespace gdr

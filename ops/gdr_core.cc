@@ -1,0 +1,202 @@
+// The gated delta rule core: argument checks, the chunked training algorithm and the
+// token-by-token reference, both as compositions of ATen ops so autograd differentiates
+// them (see ops/gdr_core.h for the contract).
+#include "ops/gdr_core.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/eye.h>
+#include <ATen/ops/linalg_solve_triangular.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+namespace gdr {
+namespace {
+
+bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
+}
+
+// FP64 only when a caller asked for it (reference tests); otherwise FP32, never lower:
+// the decay products and the triangular solve lose too much in 16-bit types.
+at::ScalarType compute_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta) {
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) {
+    if (t->scalar_type() == at::kDouble) return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& g, const at::Tensor& beta,
+                  const std::optional<at::Tensor>& initial_state) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
+              ": q, k, v, g and beta must all be defined");
+  TORCH_CHECK(q.dim() == 4, op, ": expected q of shape [B, T, H, dk] but got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), op, ": expected k of shape ", q.sizes(),
+              " (same as q) but got ", k.sizes());
+  TORCH_CHECK(
+      v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
+      op, ": expected v of shape [", q.size(0), ", ", q.size(1), ", ", q.size(2),
+      ", dv] (B, T, H of q) but got ", v.sizes());
+  const at::IntArrayRef bth = q.sizes().slice(0, 3);
+  TORCH_CHECK(g.sizes() == bth, op, ": expected g of shape ", bth, " but got ", g.sizes());
+  TORCH_CHECK(beta.sizes() == bth, op, ": expected beta of shape ", bth, " but got ", beta.sizes());
+  TORCH_CHECK(q.size(1) > 0, op, ": expected at least one token but got T = 0");
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) {
+    TORCH_CHECK(is_float_dtype(t->scalar_type()), op,
+                ": expected floating-point inputs (Float, BFloat16, Half, Double) but got ",
+                t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), op, ": expected all inputs on ", q.device(),
+                " (q's device) but got one on ", t->device());
+  }
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
+              ": expected q, k, v of one dtype but got ", q.scalar_type(), ", ", k.scalar_type(),
+              ", ", v.scalar_type());
+  if (initial_state.has_value() && initial_state->defined()) {
+    const at::Tensor& s = *initial_state;
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == q.size(0) && s.size(1) == q.size(2) &&
+                    s.size(2) == q.size(3) && s.size(3) == v.size(3),
+                op, ": expected initial_state of shape [", q.size(0), ", ", q.size(2), ", ",
+                q.size(3), ", ", v.size(3), "] ([B, H, dk, dv]) but got ", s.sizes());
+    TORCH_CHECK(s.device() == q.device(), op, ": expected initial_state on ", q.device(),
+                " but got ", s.device());
+  }
+}
+
+at::Tensor initial_state_or_zeros(const std::optional<at::Tensor>& initial_state, int64_t B,
+                                  int64_t H, int64_t dk, int64_t dv,
+                                  const at::TensorOptions& options) {
+  if (initial_state.has_value() && initial_state->defined()) {
+    return initial_state->to(options.dtype());
+  }
+  return at::zeros({B, H, dk, dv}, options);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& g,
+                                                    const at::Tensor& beta, double scale,
+                                                    const std::optional<at::Tensor>& initial_state,
+                                                    bool output_final_state) {
+  // Single dispatch point: the chunked composition serves CPU and CUDA until a fused CUDA
+  // kernel (forward + reverse-chunk backward) is registered here.
+  return gated_delta_rule_chunked(q, k, v, g, beta, scale, initial_state, output_final_state);
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+    bool output_final_state) {
+  check_inputs("gated_delta_rule_recurrent", q, k, v, g, beta, initial_state);
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const auto options = q.options().dtype(compute_dtype(q, k, v, g, beta));
+  const at::ScalarType ct = options.dtype().toScalarType();
+
+  // [B, H, T, d] so that a token is one select along dim 2.
+  const at::Tensor qc = q.to(ct).transpose(1, 2) * scale;
+  const at::Tensor kc = k.to(ct).transpose(1, 2);
+  const at::Tensor vc = v.to(ct).transpose(1, 2);
+  const at::Tensor gc = g.to(ct).transpose(1, 2);
+  const at::Tensor bc = beta.to(ct).transpose(1, 2);
+
+  at::Tensor S = initial_state_or_zeros(initial_state, B, H, dk, dv, options);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const at::Tensor q_t = qc.select(2, t);  // [B, H, dk]
+    const at::Tensor k_t = kc.select(2, t);  // [B, H, dk]
+    const at::Tensor v_t = vc.select(2, t);  // [B, H, dv]
+    const at::Tensor decay = gc.select(2, t).exp().unsqueeze(-1).unsqueeze(-1);
+    const at::Tensor beta_t = bc.select(2, t).unsqueeze(-1);  // [B, H, 1]
+    S = S * decay;
+    const at::Tensor predicted = k_t.unsqueeze(-2).matmul(S).squeeze(-2);  // S^T k: [B, H, dv]
+    const at::Tensor u = beta_t * (v_t - predicted);
+    S = S + k_t.unsqueeze(-1).matmul(u.unsqueeze(-2));
+    outputs.push_back(q_t.unsqueeze(-2).matmul(S).squeeze(-2));  // S^T q: [B, H, dv]
+  }
+  at::Tensor o = at::stack(outputs, /*dim=*/1).to(v.scalar_type());  // [B, T, H, dv]
+  return {o, output_final_state ? S : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+    bool output_final_state, int64_t chunk_size) {
+  check_inputs("gated_delta_rule_chunked", q, k, v, g, beta, initial_state);
+  TORCH_CHECK(chunk_size > 0, "gated_delta_rule_chunked: expected chunk_size > 0 but got ",
+              chunk_size);
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t C = chunk_size;
+  const int64_t N = (T + C - 1) / C;
+  const int64_t pad = N * C - T;
+  const auto options = q.options().dtype(compute_dtype(q, k, v, g, beta));
+  const at::ScalarType ct = options.dtype().toScalarType();
+
+  // Step 1: [B, H, N, C, d] with zero padding; padded rows have g = 0 (no decay) and
+  // beta = k = 0 (no write), so they change neither the outputs kept nor the state.
+  auto to_chunks = [&](const at::Tensor& x) {  // x: [B, T, H, d]
+    at::Tensor y = x.to(ct).transpose(1, 2);   // [B, H, T, d]
+    if (pad > 0) y = at::constant_pad_nd(y, {0, 0, 0, pad}, 0.0);
+    return y.reshape({B, H, N, C, y.size(-1)});
+  };
+  auto scalars_to_chunks = [&](const at::Tensor& x) {  // x: [B, T, H]
+    at::Tensor y = x.to(ct).transpose(1, 2);           // [B, H, T]
+    if (pad > 0) y = at::constant_pad_nd(y, {0, pad}, 0.0);
+    return y.reshape({B, H, N, C});
+  };
+  const at::Tensor Q = to_chunks(q) * scale;
+  const at::Tensor K = to_chunks(k);
+  const at::Tensor V = to_chunks(v);
+  const at::Tensor beta_c = scalars_to_chunks(beta).unsqueeze(-1);  // [B, H, N, C, 1]
+
+  // Step 2.
+  const at::Tensor Kb = K * beta_c;
+  const at::Tensor Vb = V * beta_c;
+  const at::Tensor G = scalars_to_chunks(g).cumsum(-1);  // inclusive, [B, H, N, C]
+  const at::Tensor G_col = G.unsqueeze(-1);              // [B, H, N, C, 1]
+
+  // Step 3: L[i, j] = exp(G_i - G_j) for i >= j. The upper triangle is zeroed before exp
+  // (G_i - G_j > 0 there and could overflow), so neither value nor gradient sees inf.
+  const at::Tensor lower = at::ones({C, C}, options.dtype(at::kBool)).tril();
+  const at::Tensor diff = (G_col - G.unsqueeze(-2)).masked_fill(lower.logical_not(), 0.0);
+  const at::Tensor L = diff.exp() * lower.to(ct);
+
+  // Step 4/5: (I + M) [U | W] = [Vb | Kb * exp(G)] by a unit lower triangular solve, which
+  // is T = (I + M)^-1 applied without forming it.
+  const at::Tensor M = (Kb.matmul(K.transpose(-1, -2)) * L).tril(-1);
+  const at::Tensor A = M + at::eye(C, options);
+  const at::Tensor UW = at::linalg_solve_triangular(A, at::cat({Vb, Kb * G_col.exp()}, -1),
+                                                    /*upper=*/false, /*left=*/true,
+                                                    /*unitriangular=*/true);
+  const at::Tensor U = UW.narrow(-1, 0, dv);
+  const at::Tensor W = UW.narrow(-1, dv, dk);
+
+  // Step 6: intra-chunk attention with the diagonal kept.
+  const at::Tensor P = Q.matmul(K.transpose(-1, -2)) * L;
+
+  // Step 7: the only sequential part, one [dk, dv] state per (batch, head).
+  const at::Tensor Q_decayed = Q * G_col.exp();
+  const at::Tensor G_last = G.narrow(-1, C - 1, 1);  // [B, H, N, 1]
+  const at::Tensor K_to_end = K * (G_last.unsqueeze(-1) - G_col).exp();
+  at::Tensor S = initial_state_or_zeros(initial_state, B, H, dk, dv, options);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const at::Tensor Vn = U.select(2, n) - W.select(2, n).matmul(S);  // [B, H, C, dv]
+    outputs.push_back(Q_decayed.select(2, n).matmul(S) + P.select(2, n).matmul(Vn));
+    S = S * G_last.select(2, n).exp().unsqueeze(-1) +
+        K_to_end.select(2, n).transpose(-1, -2).matmul(Vn);
+  }
+  at::Tensor o = at::stack(outputs, /*dim=*/2).reshape({B, H, N * C, dv});
+  o = o.narrow(2, 0, T).transpose(1, 2).to(v.scalar_type());  // [B, T, H, dv]
+  return {o, output_final_state ? S : at::Tensor()};
+}
+
+}  // namespace gdr

@@ -1,0 +1,62 @@
+// The gated delta rule (GDR) core of the Gated DeltaNet mixer (spec: shared design note
+// qwen3_5.md, "The gated delta rule").
+//
+// Per (batch, head) the state S is [dk, dv]. Token t:
+//   S = exp(g_t) * S;  u = beta_t * (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T (scale * q_t)
+//
+// Contract shared by every entry point below:
+//   q, k:          [B, T, H, dk]   FP32 / BF16 / FP16 / FP64, same dtype as v.
+//   v:             [B, T, H, dv]
+//   g (log decay): [B, T, H]       FP32 (or FP64), g <= 0 in practice.
+//   beta:          [B, T, H]       FP32 (or FP64).
+//   initial_state: [B, H, dk, dv]  any floating dtype; absent means zeros.
+// All heads are already expanded to H = Hv (the caller repeats k/q heads when Hv > Hk).
+// q and k must already be L2-normalised by the caller (the model does it in FP32 with
+// eps 1e-6); the core only multiplies q by `scale` (the model passes dk^-1/2). Keeping the
+// normalisation outside keeps the core a pure function of its spec; a fused CUDA kernel
+// may later take it in behind the same entry point.
+//
+// Returns (o, final_state): o is [B, T, H, dv] in v's dtype; final_state is [B, H, dk, dv]
+// in the compute dtype when output_final_state is true, an undefined tensor otherwise.
+// All math runs in FP32 (FP64 when any of q, k, v, g, beta is FP64, which the tests use
+// for tight reference checks) whatever the input dtype, and only o is cast back.
+//
+// Gradients flow through libtorch autograd (every step is an ATen op) into q, k, v, g,
+// beta and initial_state. The CPU path is sequential and deterministic.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace gdr {
+
+// Chunk length of the chunked algorithm (C in the spec).
+constexpr int64_t kGdrChunkSize = 64;
+
+// The one entry point models call. Today it runs gated_delta_rule_chunked on every
+// device; a CUDA kernel will be dispatched from here without changing callers.
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+
+// The chunked (WY / UT-transform) algorithm of the spec, the training path. T is padded to
+// a multiple of chunk_size internally; `chunk_size` other than kGdrChunkSize is only for
+// tests that want several chunks from tiny shapes.
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
+    int64_t chunk_size = kGdrChunkSize);
+
+// Token-by-token recurrence, the simple reference the chunked form is tested against.
+// O(T) sequential steps: slow, for tests and debugging.
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+
+}  // namespace gdr

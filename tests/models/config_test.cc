@@ -1,0 +1,246 @@
+// QwenConfig loading: the checked-in configs, Hugging Face config.json (flat and nested),
+// and the exact error messages for the mistakes people make.
+#include "models/qwen/config.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+namespace gdr {
+namespace {
+
+std::string write_file(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// A complete tiny model section; tests append or replace lines.
+constexpr char kTinyModel[] = R"(model:
+  hidden_size: 64
+  num_hidden_layers: 4
+  intermediate_size: 128
+  vocab_size: 256
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  head_dim: 16
+  linear_num_key_heads: 2
+  linear_num_value_heads: 4
+  linear_key_head_dim: 16
+  linear_value_head_dim: 16
+)";
+
+std::string with_lines(const std::string& extra) { return std::string(kTinyModel) + extra; }
+
+std::string replaced(const std::string& from, const std::string& to) {
+  std::string text = kTinyModel;
+  text.replace(text.find(from), from.size(), to);
+  return text;
+}
+
+TEST(QwenConfig, TheCheckedIn0_8bConfigHasTheReferenceNumbers) {
+  const absl::StatusOr<QwenConfig> c = load_qwen_config("configs/qwen3_5_0_8b.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 1024);
+  EXPECT_EQ(c->num_hidden_layers, 24);
+  EXPECT_EQ(c->intermediate_size, 3584);
+  EXPECT_EQ(c->vocab_size, 248320);
+  EXPECT_EQ(c->num_attention_heads, 8);
+  EXPECT_EQ(c->num_key_value_heads, 2);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->linear_num_key_heads, 16);
+  EXPECT_EQ(c->linear_num_value_heads, 16);
+  EXPECT_EQ(c->linear_key_head_dim, 128);
+  EXPECT_EQ(c->linear_value_head_dim, 128);
+  EXPECT_EQ(c->linear_conv_kernel_dim, 4);
+  EXPECT_EQ(c->linear_conv_dim(), 6144);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1e7);
+  EXPECT_EQ(c->rotary_dim(), 64);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->hidden_act, "silu");
+  ASSERT_EQ(c->layer_types.size(), 24u);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(c->is_full_attention(i), (i + 1) % 4 == 0) << i;
+  EXPECT_EQ(c->pre_gdr_fusion, PreGdrFusion::kGate);
+  EXPECT_FALSE(c->deterministic_mode);
+}
+
+TEST(QwenConfig, TheTinyConfigHasMoreValueHeadsThanKeyHeads) {
+  const absl::StatusOr<QwenConfig> c = load_qwen_config("configs/tiny.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->linear_num_value_heads, 4);
+  EXPECT_EQ(c->linear_num_key_heads, 2);
+  EXPECT_EQ(c->vocab_size, 256);
+  EXPECT_EQ(c->layer_types, (std::vector<std::string>{"linear_attention", "linear_attention",
+                                                      "linear_attention", "full_attention"}));
+}
+
+TEST(QwenConfig, AFileThatIsOnlyTheModelSectionLoadsWithDefaultsAndDerivedLayerTypes) {
+  std::string text = kTinyModel;
+  text = text.substr(text.find('\n') + 1);  // drop "model:"
+  const std::string path = write_file("bare.yaml", text + "  full_attention_interval: 2\n");
+  const absl::StatusOr<QwenConfig> c = load_qwen_config_yaml(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layer_types, (std::vector<std::string>{"linear_attention", "full_attention",
+                                                      "linear_attention", "full_attention"}));
+  EXPECT_DOUBLE_EQ(c->partial_rotary_factor, 0.25);
+}
+
+TEST(QwenConfig, ARunConfigsOtherSectionsAreNotReadAsModelKeys) {
+  const std::string path = write_file("run.yaml", with_lines("train:\n  steps: 10\n  lr: 1e-3\n"));
+  EXPECT_TRUE(load_qwen_config_yaml(path).ok());
+}
+
+TEST(QwenConfig, HuggingFaceNestedTextConfigLoads) {
+  const std::string path = write_file("config.json", R"({
+  "architectures": ["Qwen3_5ForConditionalGeneration"],
+  "model_type": "qwen3_5",
+  "tie_word_embeddings": false,
+  "vision_config": {"depth": 12, "hidden_size": 768},
+  "text_config": {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 256, "attention_bias": false, "attn_output_gate": true,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-06, "full_attention_interval": 4, "max_position_embeddings": 262144,
+    "tie_word_embeddings": true, "mtp_num_hidden_layers": 1, "eos_token_id": 248044,
+    "dtype": "bfloat16", "mlp_only_layers": [], "hidden_act": "silu",
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention",
+                    "linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+                        "rope_type": "default", "rope_theta": 5000000, "partial_rotary_factor": 0.5}
+  }
+})");
+  const absl::StatusOr<QwenConfig> c = load_qwen_config(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 1024);
+  EXPECT_EQ(c->num_hidden_layers, 8);
+  EXPECT_EQ(c->linear_num_value_heads, 32);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 5e6);
+  EXPECT_EQ(c->rotary_dim(), 128);
+  EXPECT_FALSE(c->tie_word_embeddings);  // the top level wins
+  EXPECT_TRUE(c->is_full_attention(7));
+  EXPECT_FALSE(c->is_full_attention(6));
+}
+
+TEST(QwenConfig, HuggingFaceFlatConfigLoads) {
+  const std::string path = write_file("flat_config.json", R"({
+  "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+  "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 256,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+  "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+  "linear_value_head_dim": 16, "rope_theta": 10000, "partial_rotary_factor": 0.25,
+  "tie_word_embeddings": true, "initializer_range": 0.01
+})");
+  const absl::StatusOr<QwenConfig> c = load_qwen_config_hf_json(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1e4);
+  EXPECT_DOUBLE_EQ(c->initializer_range, 0.01);
+  EXPECT_TRUE(c->is_full_attention(3));
+}
+
+TEST(QwenConfig, AnUnknownKeyIsAnErrorNamingTheKeyAndTheFile) {
+  const std::string path = write_file("unknown.yaml", with_lines("  hiden_size: 64\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.hiden_size: unknown key");
+}
+
+TEST(QwenConfig, AnUnknownHuggingFaceKeyIsAnErrorNamingTheKeyAndTheFile) {
+  const std::string path =
+      write_file("moe_config.json", R"({"text_config": {"hidden_size": 64, "num_experts": 8}})");
+  EXPECT_EQ(load_qwen_config_hf_json(path).status().message(),
+            path + ": text_config.num_experts: unknown key");
+}
+
+TEST(QwenConfig, AWrongTypeIsAnErrorNamingTheKeyTheFileAndTheValue) {
+  const std::string path = write_file("type.yaml", replaced("hidden_size: 64", "hidden_size: big"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.hidden_size: expected an integer but got 'big'");
+}
+
+TEST(QwenConfig, AQuotedNumberIsAStringNotAnInteger) {
+  const std::string path = write_file("quoted.yaml", replaced("head_dim: 16", "head_dim: \"16\""));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.head_dim: expected an integer but got '16'");
+}
+
+TEST(QwenConfig, AWrongBooleanIsAnError) {
+  const std::string path = write_file("bool.yaml", with_lines("  deterministic_mode: sometimes\n"));
+  EXPECT_EQ(
+      load_qwen_config_yaml(path).status().message(),
+      path + ": model.deterministic_mode: expected a boolean (true or false) but got 'sometimes'");
+}
+
+TEST(QwenConfig, AMissingRequiredKeyIsAnError) {
+  const std::string path = write_file("missing.yaml", replaced("  vocab_size: 256\n", ""));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.vocab_size: required key is missing");
+}
+
+TEST(QwenConfig, ValueHeadsThatAreNotAMultipleOfKeyHeadsAreAnError) {
+  const std::string path =
+      write_file("heads.yaml", replaced("linear_num_value_heads: 4", "linear_num_value_heads: 3"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path +
+                ": model.linear_num_value_heads: expected a multiple of model.linear_num_key_heads "
+                "(2) but got 3");
+}
+
+TEST(QwenConfig, LayerTypesOfTheWrongLengthAreAnError) {
+  const std::string path = write_file(
+      "layers.yaml",
+      with_lines("  layer_types: [linear_attention, linear_attention, full_attention]\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.layer_types: expected 4 entries (model.num_hidden_layers) but got 3");
+}
+
+TEST(QwenConfig, AnUnknownLayerTypeIsAnError) {
+  const std::string path = write_file(
+      "layer_type.yaml", with_lines("  layer_types: [linear_attention, linear_attention, "
+                                    "sliding_attention, full_attention]\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path +
+                ": model.layer_types[2]: expected linear_attention or full_attention but got "
+                "'sliding_attention'");
+}
+
+TEST(QwenConfig, FullFusionIsNotImplementedYet) {
+  const std::string path = write_file("full.yaml", with_lines("  pre_gdr_fusion: full\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.pre_gdr_fusion: 'full' is not implemented yet; use 'gate' or 'none'");
+}
+
+TEST(QwenConfig, DeterministicModeWithFullFusionIsRejectedNamingBothKeys) {
+  const std::string path = write_file(
+      "det_full.yaml", with_lines("  pre_gdr_fusion: full\n  deterministic_mode: true\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path +
+                ": model.deterministic_mode: true cannot be combined with model.pre_gdr_fusion: "
+                "full (the fully fused pre-GDR path has no ordered, bit-reproducible backward); "
+                "use pre_gdr_fusion: gate or none");
+}
+
+TEST(QwenConfig, AnUnknownFusionLevelIsAnError) {
+  const std::string path = write_file("fusion.yaml", with_lines("  pre_gdr_fusion: partial\n"));
+  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
+            path + ": model.pre_gdr_fusion: expected one of none, gate, full but got 'partial'");
+}
+
+TEST(QwenConfig, AHuggingFaceModelWithAttentionBiasIsRejected) {
+  const std::string path = write_file("bias_config.json", R"({"attention_bias": true})");
+  EXPECT_EQ(load_qwen_config_hf_json(path).status().message(),
+            path + ": attention_bias: expected false (the only variant gdr builds) but got true");
+}
+
+TEST(QwenConfig, AMissingFileIsNotFound) {
+  const absl::StatusOr<QwenConfig> c = load_qwen_config("/nonexistent/model.yaml");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c.status().message(), "/nonexistent/model.yaml: cannot open the config file");
+}
+
+}  // namespace
+}  // namespace gdr

@@ -1,0 +1,92 @@
+// apply_deterministic_mode(): the global ATen switch, the cuBLAS workspace variable, and
+// the conflict errors. Each test resets the process state it touches.
+#include "models/qwen/deterministic_mode.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "models/qwen/model.h"
+#include "ops/determinism.h"
+
+namespace gdr {
+namespace {
+
+class DeterministicMode : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    unsetenv(kCublasWorkspaceConfigVar);
+    unsetenv("GDR_DETERMINISTIC");
+    at::globalContext().setDeterministicAlgorithms(false, false);
+    config_.deterministic_mode = true;
+  }
+  void TearDown() override { at::globalContext().setDeterministicAlgorithms(false, false); }
+
+  static std::string cublas_var() {
+    const char* value = std::getenv(kCublasWorkspaceConfigVar);
+    return value == nullptr ? "<unset>" : value;
+  }
+
+  QwenConfig config_;
+};
+
+TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndPinsTheCublasWorkspace) {
+  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
+  EXPECT_EQ(cublas_var(), ":4096:8");
+  EXPECT_TRUE(use_deterministic_mode());  // gdr's ops follow the global switch
+}
+
+TEST_F(DeterministicMode, KeepsTheOtherAcceptedWorkspaceValue) {
+  setenv(kCublasWorkspaceConfigVar, ":16:8", 1);
+  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  EXPECT_EQ(cublas_var(), ":16:8");
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+}
+
+TEST_F(DeterministicMode, RejectsAConflictingWorkspaceValueAndChangesNothing) {
+  setenv(kCublasWorkspaceConfigVar, ":0:0", 1);
+  const absl::Status status = apply_deterministic_mode(config_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      status.message(),
+      "deterministic_mode: true needs CUBLAS_WORKSPACE_CONFIG unset, \":4096:8\" or \":16:8\" "
+      "(cuBLAS is only reproducible with a fixed workspace) but it is \":0:0\"");
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+  EXPECT_EQ(cublas_var(), ":0:0");
+}
+
+TEST_F(DeterministicMode, DoesNothingWhenTheConfigLeavesItOff) {
+  config_.deterministic_mode = false;
+  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+  EXPECT_EQ(cublas_var(), "<unset>");
+}
+
+// No op of the model lacks a deterministic CPU path (ATen would throw), and two runs give
+// bit-identical loss and gradients.
+TEST_F(DeterministicMode, TheTinyModelRunsTwiceBitIdenticallyUnderIt) {
+  absl::StatusOr<QwenConfig> tiny = load_qwen_config("configs/tiny.yaml");
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  tiny->deterministic_mode = true;
+  ASSERT_TRUE(apply_deterministic_mode(*tiny).ok());
+  const at::Tensor ids = at::arange(2 * 70, at::kLong).remainder(251).reshape({2, 70});
+  auto run = [&] {
+    QwenForCausalLM model(*tiny);
+    init_qwen_weights(*model, 11);
+    const at::Tensor loss = model->loss(ids, ids);
+    std::vector<at::Tensor> out = torch::autograd::grad({loss}, model->parameters());
+    out.push_back(loss.detach());
+    return out;
+  };
+  const std::vector<at::Tensor> first = run(), second = run();
+  ASSERT_EQ(first.size(), second.size());
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(at::equal(first[i], second[i])) << i;
+}
+
+}  // namespace
+}  // namespace gdr

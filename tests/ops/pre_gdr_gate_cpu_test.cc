@@ -1,0 +1,395 @@
+// The CPU registry of the pre-GDR gate: every (dtype x shape x mode x override) case
+// checked without a GPU: tile selection, scratch sizing, launch-parameter derivation,
+// reference math against libtorch autograd of the unfused formulas, and the exact error
+// messages for bad input.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/pre_gdr_gate.h"
+#include "ops/autotune.h"
+#include "ops/determinism.h"
+#include "ops/pre_gdr_gate.h"
+
+namespace gdr {
+namespace {
+
+using kernels::GateShape;
+using kernels::GateTile;
+
+struct ShapeCase {
+  const char* name;
+  int64_t dim0, dim1, heads;
+};
+
+const std::vector<ShapeCase>& shape_cases() {
+  static const std::vector<ShapeCase> cases = {
+      {"one_token_one_head", 1, 1, 1},   {"tail_37x5", 2, 37, 5},
+      {"qwen0p8b_8192x16", 1, 8192, 16}, {"tail_513x33", 1, 513, 33},
+      {"batch4_100x48", 4, 100, 48},     {"large_65536x64", 8, 8192, 64},
+  };
+  return cases;
+}
+
+// ---------------------------------------------------------------------------
+// Selection, sizing and launch parameters.
+
+struct SelectionCase {
+  ShapeCase shape;
+  std::string dtype_key;
+  bool deterministic;
+  std::optional<GateTile> override_tile;
+};
+
+std::string selection_case_name(const testing::TestParamInfo<SelectionCase>& info) {
+  const SelectionCase& c = info.param;
+  std::string name = std::string(c.shape.name) + "_" + c.dtype_key + "_" +
+                     (c.deterministic ? "deterministic" : "default") + "_" +
+                     (c.override_tile ? "override_" + kernels::to_string(*c.override_tile) : "no_override");
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
+
+std::vector<SelectionCase> all_selection_cases() {
+  std::vector<SelectionCase> cases;
+  for (const ShapeCase& shape : shape_cases()) {
+    for (const char* dtype : {"in_f32_param_f32", "in_bf16_param_f32", "in_f16_param_bf16"}) {
+      for (bool deterministic : {false, true}) {
+        for (std::optional<GateTile> tile :
+             {std::optional<GateTile>{}, std::optional<GateTile>{GateTile{64, 16, 128}},
+              std::optional<GateTile>{GateTile{100, 32, 256}}}) {
+          cases.push_back({shape, dtype, deterministic, tile});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+class GateSelectionTest : public testing::TestWithParam<SelectionCase> {
+ protected:
+  void SetUp() override { clear_autotune_cache(); }
+  void TearDown() override { set_pre_gdr_gate_tile_override(std::nullopt); }
+};
+
+TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
+  const SelectionCase& c = GetParam();
+  const GateShape shape{c.shape.dim0, c.shape.dim1, c.shape.heads};
+  set_pre_gdr_gate_tile_override(c.override_tile);
+  const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
+
+  // Fake timings that prefer one specific candidate, so the timed choice is known.
+  const size_t fastest = (static_cast<size_t>(shape.tokens()) * 7 + shape.heads) % candidates.size();
+  std::map<std::string, int> timed;
+  auto time_ms = [&](const GateTile& tile) {
+    ++timed[kernels::to_string(tile)];
+    return tile == candidates[fastest] ? 0.5 : 1.0 + 0.01 * tile.block_t;
+  };
+
+  const TileSelection<GateTile> first =
+      select_pre_gdr_gate_tile(shape, c.dtype_key, 0, c.deterministic, time_ms);
+  const TileSelection<GateTile> second =
+      select_pre_gdr_gate_tile(shape, c.dtype_key, 0, c.deterministic, time_ms);
+  EXPECT_EQ(first.config, second.config);
+
+  if (c.override_tile) {
+    EXPECT_EQ(first.config, *c.override_tile);
+    EXPECT_EQ(first.source, SelectionSource::kOverride);
+    EXPECT_TRUE(timed.empty()) << "an override must not time anything";
+  } else if (c.deterministic) {
+    // Pure function of the shape: the minimum of the static cost, no timing at all.
+    size_t best = 0;
+    for (size_t i = 1; i < candidates.size(); ++i) {
+      if (kernels::gate_tile_static_cost(candidates[i], shape) <
+          kernels::gate_tile_static_cost(candidates[best], shape)) {
+        best = i;
+      }
+    }
+    EXPECT_EQ(first.config, candidates[best]);
+    EXPECT_EQ(first.source, SelectionSource::kStaticCost);
+    EXPECT_TRUE(timed.empty()) << "deterministic mode must not time candidates";
+    EXPECT_EQ(autotune_cache_size(), 0) << "deterministic mode must not touch the tuned table";
+  } else {
+    EXPECT_EQ(first.config, candidates[fastest]);
+    EXPECT_EQ(first.source, SelectionSource::kAutotuneTimed);
+    EXPECT_EQ(second.source, SelectionSource::kAutotuneCache);
+    EXPECT_EQ(timed.size(), candidates.size()) << "every candidate is timed once";
+    for (const auto& [tile, count] : timed) EXPECT_EQ(count, 1) << tile;
+  }
+
+  // Note [Gate tile decides everything]: grid, rows, shared memory and scratch.
+  const GateTile& tile = first.config;
+  ASSERT_EQ(kernels::validate_gate_tile(tile), "");
+  const kernels::GateBackwardLaunch launch = kernels::derive_gate_backward_launch(tile, shape);
+  EXPECT_GE(launch.programs_t * tile.block_t, shape.tokens());
+  EXPECT_LT((launch.programs_t - 1) * tile.block_t, shape.tokens());
+  EXPECT_GE(launch.programs_h * tile.block_h, shape.heads);
+  EXPECT_LT((launch.programs_h - 1) * tile.block_h, shape.heads);
+  EXPECT_EQ(launch.rows * tile.block_h, tile.threads);
+  EXPECT_EQ(launch.shared_bytes, 2 * launch.rows * tile.block_h * 4);
+  EXPECT_EQ(launch.scratch_floats, launch.programs_t * 2 * shape.heads);
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, GateSelectionTest, testing::ValuesIn(all_selection_cases()),
+                         selection_case_name);
+
+TEST(GateSelection, KeysSeparateShapesDtypesAndDevices) {
+  clear_autotune_cache();
+  int calls = 0;
+  auto time_ms = [&](const GateTile&) { return static_cast<double>(++calls); };
+  select_pre_gdr_gate_tile({1, 8192, 16}, "in_bf16", 0, false, time_ms);
+  select_pre_gdr_gate_tile({1, 8000, 16}, "in_bf16", 0, false, time_ms);  // same bucket
+  EXPECT_EQ(autotune_cache_size(), 1);
+  select_pre_gdr_gate_tile({1, 8192, 32}, "in_bf16", 0, false, time_ms);
+  select_pre_gdr_gate_tile({1, 8192, 16}, "in_f32", 0, false, time_ms);
+  select_pre_gdr_gate_tile({1, 8192, 16}, "in_bf16", 1, false, time_ms);
+  EXPECT_EQ(autotune_cache_size(), 4);
+  EXPECT_EQ(calls, 4 * static_cast<int>(kernels::pre_gdr_gate_candidate_tiles().size()));
+}
+
+TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
+  // Hv = 16 must not pick block_h 64 (three quarters of the lanes idle).
+  const GateTile small = kernels::pre_gdr_gate_candidate_tiles()[0];
+  (void)small;
+  for (const ShapeCase& c : shape_cases()) {
+    const GateShape shape{c.dim0, c.dim1, c.heads};
+    const TileSelection<GateTile> pick =
+        select_pre_gdr_gate_tile(shape, "k", 0, /*deterministic=*/true, nullptr);
+    EXPECT_LE(pick.config.block_h, std::max<int64_t>(16, c.heads)) << c.name;
+    const auto launch = kernels::derive_gate_backward_launch(pick.config, shape);
+    EXPECT_LE(launch.programs_t, 2048) << c.name << " picks " << kernels::to_string(pick.config);
+  }
+}
+
+TEST(GateTileOverride, ParsesTheEnvironmentFormat) {
+  EXPECT_EQ(parse_gate_tile("128x16x256", "GDR_PRE_GDR_GATE_TILE"), (GateTile{128, 16, 256}));
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(GateTileOverride, RefusesImpossibleTilesWithAClearMessage) {
+  EXPECT_EQ(error_of([] { parse_gate_tile("128x16", "GDR_PRE_GDR_GATE_TILE"); }),
+            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
+            "(e.g. 128x16x256), but got '128x16'");
+  EXPECT_EQ(error_of([] { parse_gate_tile("128xAx256", "GDR_PRE_GDR_GATE_TILE"); }),
+            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
+            "(e.g. 128x16x256), but got '128xAx256'");
+  EXPECT_EQ(error_of([] { parse_gate_tile("128x16x100", "GDR_PRE_GDR_GATE_TILE"); }),
+            "GDR_PRE_GDR_GATE_TILE: tile 128x16x100 cannot be launched: threads must be a "
+            "multiple of 32 in [32, 1024], got 100");
+  EXPECT_EQ(error_of([] { parse_gate_tile("128x48x256", "GDR_PRE_GDR_GATE_TILE"); }),
+            "GDR_PRE_GDR_GATE_TILE: tile 128x48x256 cannot be launched: block_h must divide "
+            "threads (256), got 48");
+  EXPECT_EQ(error_of([] { set_pre_gdr_gate_tile_override(GateTile{4, 16, 256}); }),
+            "set_pre_gdr_gate_tile_override: tile 4x16x256 cannot be launched: block_t must be "
+            "in [threads / block_h = 16, 65536], got 4");
+}
+
+TEST(GateTileOverride, EnvironmentVariableIsReadAndValidated) {
+  setenv("GDR_PRE_GDR_GATE_TILE", "256x32x128", 1);
+  EXPECT_EQ(pre_gdr_gate_tile_override(), (GateTile{256, 32, 128}));
+  setenv("GDR_PRE_GDR_GATE_TILE", "0x16x128", 1);
+  EXPECT_EQ(error_of([] { pre_gdr_gate_tile_override(); }),
+            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
+            "(e.g. 128x16x256), but got '0x16x128'");
+  set_pre_gdr_gate_tile_override(GateTile{32, 16, 128});  // the API wins over the variable
+  EXPECT_EQ(pre_gdr_gate_tile_override(), (GateTile{32, 16, 128}));
+  set_pre_gdr_gate_tile_override(std::nullopt);
+  unsetenv("GDR_PRE_GDR_GATE_TILE");
+  EXPECT_EQ(pre_gdr_gate_tile_override(), std::nullopt);
+}
+
+// ---------------------------------------------------------------------------
+// Deterministic-mode resolution.
+
+TEST(DeterministicMode, OverrideThenEnvironmentThenPyTorchSwitch) {
+  unsetenv("GDR_DETERMINISTIC");
+  at::globalContext().setDeterministicAlgorithms(false, false);
+  EXPECT_FALSE(use_deterministic_mode());
+  at::globalContext().setDeterministicAlgorithms(true, false);
+  EXPECT_TRUE(use_deterministic_mode());
+  setenv("GDR_DETERMINISTIC", "0", 1);
+  EXPECT_FALSE(use_deterministic_mode());
+  {
+    DeterministicModeGuard guard(true);
+    EXPECT_TRUE(use_deterministic_mode());
+  }
+  EXPECT_FALSE(use_deterministic_mode());
+  setenv("GDR_DETERMINISTIC", "maybe", 1);
+  EXPECT_EQ(error_of([] { use_deterministic_mode(); }),
+            "environment variable GDR_DETERMINISTIC must be a boolean (1/true/on/yes or "
+            "0/false/off/no), but got 'maybe'");
+  unsetenv("GDR_DETERMINISTIC");
+  at::globalContext().setDeterministicAlgorithms(false, false);
+}
+
+// ---------------------------------------------------------------------------
+// Reference math: the CPU op against libtorch autograd of the unfused formulas.
+
+struct MathCase {
+  ShapeCase shape;
+  at::ScalarType input_dtype;
+  at::ScalarType param_dtype;
+  const char* regime;  // "normal", "large_pre" (pre > 20), "very_negative_pre"
+};
+
+std::string math_case_name(const testing::TestParamInfo<MathCase>& info) {
+  const MathCase& c = info.param;
+  return std::string(c.shape.name) + "_" + c10::toString(c.input_dtype) + "_param" +
+         c10::toString(c.param_dtype) + "_" + c.regime;
+}
+
+std::vector<MathCase> all_math_cases() {
+  std::vector<MathCase> cases;
+  for (const ShapeCase& shape : shape_cases()) {
+    if (shape.dim0 * shape.dim1 * shape.heads > 200000) continue;  // keep CPU time small
+    for (at::ScalarType in : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for (at::ScalarType param : {at::kFloat, at::kBFloat16}) {
+        for (const char* regime : {"normal", "large_pre", "very_negative_pre"}) {
+          cases.push_back({shape, in, param, regime});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+class GateMathTest : public testing::TestWithParam<MathCase> {};
+
+TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
+  const MathCase& c = GetParam();
+  at::manual_seed(1234);
+  const double offset = std::string(c.regime) == "large_pre" ? 24.0
+                        : std::string(c.regime) == "very_negative_pre" ? -40.0 : 0.0;
+  const auto in_opts = at::TensorOptions().dtype(c.input_dtype);
+  const auto p_opts = at::TensorOptions().dtype(c.param_dtype);
+  at::Tensor a = (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 2 + offset).to(c.input_dtype);
+  at::Tensor b = (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 3).to(c.input_dtype);
+  at::Tensor A_log = at::log(at::rand({c.shape.heads}) * 15.99 + 0.01).to(c.param_dtype);
+  at::Tensor dt_bias = (at::randn({c.shape.heads}) * 0.5 + 1).to(c.param_dtype);
+  at::Tensor grad_g = at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads});
+  at::Tensor grad_beta = at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads});
+  (void)in_opts;
+  (void)p_opts;
+
+  auto run = [&](bool fused) {
+    at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
+    at::Tensor A_ = A_log.detach().requires_grad_(true), dt_ = dt_bias.detach().requires_grad_(true);
+    auto [g, beta] = fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
+    auto grads = torch::autograd::grad({g, beta}, {a_, b_, A_, dt_}, {grad_g, grad_beta});
+    return std::vector<at::Tensor>{g, beta, grads[0], grads[1], grads[2], grads[3]};
+  };
+  const auto fused = run(true);
+  const auto reference = run(false);
+  const char* names[] = {"g", "beta", "da", "db", "dA_log", "ddt_bias"};
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(fused[i].scalar_type(), reference[i].scalar_type()) << names[i];
+    EXPECT_EQ(fused[i].sizes(), reference[i].sizes()) << names[i];
+  }
+  EXPECT_EQ(fused[0].scalar_type(), at::kFloat);
+  EXPECT_EQ(fused[1].scalar_type(), at::kFloat);
+  EXPECT_TRUE((fused[0] <= 0).all().item<bool>()) << "g must never be positive";
+  // Elementwise outputs: FP32 math on both sides, a few ulps apart (libm vs ATen's
+  // vectorised exp/log1p). Gradients in a low-precision dtype differ by one rounding.
+  const double elem_rtol = c.input_dtype == at::kFloat ? 1e-5 : 1e-2;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::allclose(fused[i].to(at::kFloat), reference[i].to(at::kFloat),
+                             i < 2 ? 1e-5 : elem_rtol, 1e-6))
+        << names[i] << " max abs diff "
+        << (fused[i].to(at::kFloat) - reference[i].to(at::kFloat)).abs().max().item<float>();
+  }
+  // Per-head sums: ours accumulates in FP64, ATen's sum in FP32 (pairwise).
+  const double sum_rtol = c.param_dtype == at::kFloat ? 1e-4 : 1e-2;
+  for (int i = 4; i < 6; ++i) {
+    const at::Tensor x = fused[i].to(at::kDouble), y = reference[i].to(at::kDouble);
+    const double scale = y.abs().max().item<double>() + 1e-6;
+    EXPECT_LE((x - y).abs().max().item<double>(), sum_rtol * scale) << names[i];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, GateMathTest, testing::ValuesIn(all_math_cases()), math_case_name);
+
+TEST(GateMath, IndependentCheckFromTheSpecInDouble) {
+  // Written from the spec's formulas, not from the op (the one independent check).
+  at::Tensor a = at::tensor({-50.0f, -1.0f, 0.0f, 0.5f, 19.5f, 21.0f}).reshape({3, 2});
+  at::Tensor b = at::tensor({-3.0f, 0.0f, 1.0f, 2.0f, -0.5f, 4.0f}).reshape({3, 2});
+  at::Tensor A_log = at::tensor({0.3f, -1.2f});
+  at::Tensor dt_bias = at::tensor({1.0f, -0.25f});
+  auto [g, beta] = pre_gdr_gate(a, b, A_log, dt_bias);
+  for (int t = 0; t < 3; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const double pre = a[t][h].item<double>() + dt_bias[h].item<double>();
+      const double sp = pre > 20 ? pre : std::log1p(std::exp(pre));
+      const double expect_g = -std::exp(A_log[h].item<double>()) * sp;
+      const double expect_beta = 1.0 / (1.0 + std::exp(-b[t][h].item<double>()));
+      EXPECT_NEAR(g[t][h].item<double>(), expect_g, 1e-6 * std::max(1.0, std::abs(expect_g)));
+      EXPECT_NEAR(beta[t][h].item<double>(), expect_beta, 1e-7);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Error messages at the op boundary.
+
+struct ErrorCase {
+  const char* name;
+  std::function<void()> call;
+  std::string message;
+};
+
+TEST(GateErrors, BadInputsAreRefusedWithMessagesNamingTheArgument) {
+  const at::Tensor a = at::zeros({2, 3, 4});
+  const at::Tensor A = at::zeros({4});
+  const at::Tensor g = at::zeros({2, 3, 4});
+  const std::vector<ErrorCase> cases = {
+      {"double input", [&] { pre_gdr_gate(a.to(at::kDouble), a.to(at::kDouble), A, A); },
+       "pre_gdr_gate: expected a of dtype Float, Half or BFloat16, but got Double"},
+      {"mixed a/b dtype", [&] { pre_gdr_gate(a, a.to(at::kBFloat16), A, A); },
+       "pre_gdr_gate: expected b of dtype Float (same as a), but got BFloat16"},
+      {"int params", [&] { pre_gdr_gate(a, a, A.to(at::kInt), A.to(at::kInt)); },
+       "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16, but got Int"},
+      {"mixed param dtype", [&] { pre_gdr_gate(a, a, A, A.to(at::kBFloat16)); },
+       "pre_gdr_gate: expected dt_bias of dtype Float (same as A_log), but got BFloat16"},
+      {"4-D a", [&] { pre_gdr_gate(a.unsqueeze(0), a.unsqueeze(0), A, A); },
+       "pre_gdr_gate: expected a of shape [B, S, Hv] or [T, Hv], but got 4 dimensions [1, 2, 3, 4]"},
+      {"mismatched Hv", [&] { pre_gdr_gate(at::zeros({2, 3, 5}), at::zeros({2, 3, 5}), A, A); },
+       "pre_gdr_gate: a has 5 heads in its last dimension but A_log has 4 (expected Hv = "
+       "A_log.size(0)); a.shape = [2, 3, 5]"},
+      {"b shape", [&] { pre_gdr_gate(a, at::zeros({2, 2, 4}), A, A); },
+       "pre_gdr_gate: expected b of shape [2, 3, 4] (same as a), but got [2, 2, 4]"},
+      {"2-D A_log", [&] { pre_gdr_gate(a, a, A.unsqueeze(0), A); },
+       "pre_gdr_gate: expected A_log of shape [Hv], but got shape [1, 4]"},
+      {"dt_bias shape", [&] { pre_gdr_gate(a, a, A, at::zeros({3})); },
+       "pre_gdr_gate: expected dt_bias of shape [4] (same as A_log), but got [3]"},
+      {"empty tokens", [&] { pre_gdr_gate(at::zeros({0, 3, 4}), at::zeros({0, 3, 4}), A, A); },
+       "pre_gdr_gate: a has no tokens (shape [0, 3, 4]); expected at least one token"},
+      {"no heads", [&] { pre_gdr_gate(at::zeros({2, 0}), at::zeros({2, 0}), at::zeros({0}), at::zeros({0})); },
+       "pre_gdr_gate: A_log is empty; expected Hv >= 1 heads"},
+      {"device mismatch", [&] { pre_gdr_gate_composite(a.to(at::kMeta), a.to(at::kMeta), A, A); },
+       "pre_gdr_gate: a is on meta but A_log is on cpu; expected all tensors on one device"},
+      {"grad dtype", [&] { pre_gdr_gate_backward(g.to(at::kBFloat16), g, a, a, A, A); },
+       "pre_gdr_gate_backward: expected grad_g of dtype Float (the outputs are FP32), but got BFloat16"},
+      {"grad shape", [&] { pre_gdr_gate_backward(g, at::zeros({6, 4}), a, a, A, A); },
+       "pre_gdr_gate_backward: expected grad_beta of shape [2, 3, 4] (same as a), but got [6, 4]"},
+  };
+  for (const ErrorCase& c : cases) {
+    EXPECT_EQ(error_of(c.call), c.message) << c.name;
+  }
+}
+
+}  // namespace
+}  // namespace gdr

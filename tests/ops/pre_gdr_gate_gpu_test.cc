@@ -1,0 +1,336 @@
+// GPU tests of the pre-GDR gate (tag gpu): agreement with the libtorch composite,
+// dtypes, tails, strided inputs and gradients, side streams, tile overrides, bit-exact
+// replay of the deterministic backward under contention, runtime mode switching, and
+// the real autograd dispatch taking the intended path.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "ops/autotune.h"
+#include "ops/determinism.h"
+#include "ops/pre_gdr_gate.h"
+
+namespace gdr {
+namespace {
+
+using kernels::GateTile;
+
+struct Inputs {
+  at::Tensor a, b, A_log, dt_bias, grad_g, grad_beta;
+};
+
+Inputs make_inputs(int64_t dim0, int64_t dim1, int64_t heads, at::ScalarType in,
+                   at::ScalarType param, uint64_t seed = 7) {
+  at::manual_seed(seed);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  Inputs x;
+  x.a = (at::randn({dim0, dim1, heads}, cuda) * 3).to(in);
+  x.a.view({-1})[0] = 23.0;  // one element above the softplus threshold
+  x.b = (at::randn({dim0, dim1, heads}, cuda) * 3).to(in);
+  x.A_log = at::log(at::rand({heads}, cuda) * 15.99 + 0.01).to(param);
+  x.dt_bias = (at::randn({heads}, cuda) * 0.5 + 1).to(param);
+  x.grad_g = at::randn({dim0, dim1, heads}, cuda);
+  x.grad_beta = at::randn({dim0, dim1, heads}, cuda);
+  return x;
+}
+
+using Outputs = std::vector<at::Tensor>;  // g, beta, da, db, dA_log, ddt_bias
+
+Outputs run_fused(const Inputs& x) {
+  auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+  auto [da, db, dA, ddt] = pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+  return {g, beta, da, db, dA, ddt};
+}
+
+Outputs run_composite(const Inputs& x) {
+  at::Tensor a = x.a.detach().requires_grad_(true), b = x.b.detach().requires_grad_(true);
+  at::Tensor A = x.A_log.detach().requires_grad_(true), dt = x.dt_bias.detach().requires_grad_(true);
+  auto [g, beta] = pre_gdr_gate_composite(a, b, A, dt);
+  auto grads = torch::autograd::grad({g, beta}, {a, b, A, dt}, {x.grad_g, x.grad_beta});
+  return {g.detach(), beta.detach(), grads[0], grads[1], grads[2], grads[3]};
+}
+
+bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
+  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
+  const at::Tensor xc = x.contiguous(), yc = y.contiguous();
+  return at::equal(xc.view(at::kByte), yc.view(at::kByte));
+}
+
+void expect_bitwise_equal(const Outputs& x, const Outputs& y, const std::string& context) {
+  const char* names[] = {"g", "beta", "da", "db", "dA_log", "ddt_bias"};
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(x[i], y[i])) << context << ": " << names[i] << " differs";
+  }
+}
+
+void expect_close_to_composite(const Outputs& fused, const Outputs& ref, at::ScalarType in,
+                               const std::string& context) {
+  const char* names[] = {"g", "beta", "da", "db", "dA_log", "ddt_bias"};
+  for (size_t i = 0; i < fused.size(); ++i) {
+    ASSERT_EQ(fused[i].scalar_type(), ref[i].scalar_type()) << context << " " << names[i];
+    ASSERT_EQ(fused[i].sizes(), ref[i].sizes()) << context << " " << names[i];
+    const at::Tensor f = fused[i].to(at::kDouble), r = ref[i].to(at::kDouble);
+    // Elementwise values: FP32 math both sides (a few ulps; one storage rounding when
+    // the gradient dtype is 16-bit). Per-head sums: different summation orders over up
+    // to 64k terms, relative to the largest magnitude.
+    double rtol = i < 2 ? 1e-5 : (in == at::kFloat ? 1e-5 : 1e-2);
+    if (i >= 4) rtol = (fused[i].scalar_type() == at::kFloat) ? 1e-4 : 1e-2;
+    const double scale = r.abs().max().item<double>() + 1e-6;
+    const double err = (f - r).abs().max().item<double>();
+    const double bound = i >= 4 ? rtol * scale : 0.0;
+    if (i < 4) {
+      EXPECT_TRUE(at::allclose(f, r, rtol, 1e-6)) << context << " " << names[i] << " max abs diff " << err;
+    } else {
+      EXPECT_LE(err, bound) << context << " " << names[i];
+    }
+  }
+}
+
+class GateGpuTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    set_deterministic_mode_override(std::nullopt);
+    set_pre_gdr_gate_tile_override(std::nullopt);
+    set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+  }
+  void TearDown() override { SetUp(); }
+};
+
+struct DtypeShape {
+  at::ScalarType in, param;
+  int64_t dim0, dim1, heads;
+};
+
+TEST_F(GateGpuTest, MatchesTheCompositeInBothModesAcrossDtypesAndTails) {
+  const std::vector<DtypeShape> cases = {
+      {at::kBFloat16, at::kFloat, 1, 8192, 16},  {at::kFloat, at::kFloat, 1, 8192, 16},
+      {at::kBFloat16, at::kFloat, 3, 1001, 16},  {at::kFloat, at::kFloat, 2, 77, 5},
+      {at::kHalf, at::kFloat, 1, 4099, 48},      {at::kBFloat16, at::kBFloat16, 2, 515, 33},
+      {at::kFloat, at::kBFloat16, 1, 1, 1},      {at::kBFloat16, at::kFloat, 4, 16384, 64},
+  };
+  for (const DtypeShape& c : cases) {
+    const Inputs x = make_inputs(c.dim0, c.dim1, c.heads, c.in, c.param);
+    const Outputs ref = run_composite(x);
+    for (bool deterministic : {false, true}) {
+      DeterministicModeGuard mode(deterministic);
+      const std::string context = std::string(c10::toString(c.in)) + "/" + c10::toString(c.param) +
+                                  " [" + std::to_string(c.dim0) + "," + std::to_string(c.dim1) +
+                                  "," + std::to_string(c.heads) + "] " +
+                                  (deterministic ? "ordered" : "atomic");
+      const Outputs fused = run_fused(x);
+      expect_close_to_composite(fused, ref, c.in, context);
+      EXPECT_EQ(pre_gdr_gate_last_backward().ordered, deterministic) << context;
+    }
+  }
+}
+
+TEST_F(GateGpuTest, StridedInputsAndGradientsGiveTheContiguousBits) {
+  DeterministicModeGuard mode(true);
+  const int64_t B = 2, S = 1000, H = 16;
+  const Inputs x = make_inputs(B, S, H, at::kBFloat16, at::kFloat);
+  const Outputs contiguous = run_fused(x);
+
+  // a and b as slices of one wider projection output, as in the model.
+  at::Tensor projection = at::randn({B, S, 3 * H}, x.a.options());
+  projection.narrow(2, 0, H).copy_(x.a);
+  projection.narrow(2, 2 * H, H).copy_(x.b);
+  Inputs sliced = x;
+  sliced.a = projection.narrow(2, 0, H);
+  sliced.b = projection.narrow(2, 2 * H, H);
+  ASSERT_FALSE(sliced.a.is_contiguous());
+  // Upstream gradients with a transposed layout ([S, B, H] storage viewed as [B, S, H]).
+  sliced.grad_g = x.grad_g.transpose(0, 1).contiguous().transpose(0, 1);
+  sliced.grad_beta = x.grad_beta.transpose(0, 1).contiguous().transpose(0, 1);
+  ASSERT_FALSE(sliced.grad_g.is_contiguous());
+  expect_bitwise_equal(run_fused(sliced), contiguous, "sliced inputs, transposed grads");
+
+  // [S, B, H] activations (sequence-major), 2-D [T, H] views.
+  Inputs seq_major = x;
+  seq_major.a = x.a.transpose(0, 1).contiguous().transpose(0, 1);
+  seq_major.b = x.b.transpose(0, 1).contiguous().transpose(0, 1);
+  expect_bitwise_equal(run_fused(seq_major), contiguous, "sequence-major inputs");
+  Inputs flat = x;
+  for (at::Tensor* t : {&flat.a, &flat.b, &flat.grad_g, &flat.grad_beta}) *t = t->reshape({B * S, H});
+  const Outputs flat_out = run_fused(flat);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(bitwise_equal(flat_out[i].reshape({B, S, H}), contiguous[i])) << i;
+  EXPECT_TRUE(bitwise_equal(flat_out[4], contiguous[4]));
+  EXPECT_TRUE(bitwise_equal(flat_out[5], contiguous[5]));
+}
+
+TEST_F(GateGpuTest, SideStreamWorkMatchesTheDefaultStreamBitForBit) {
+  DeterministicModeGuard mode(true);
+  const Inputs x = make_inputs(1, 8192, 16, at::kBFloat16, at::kFloat);
+  const Outputs on_default = run_fused(x);
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  Outputs on_side;
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    side.synchronize();
+    on_side = run_fused(x);
+  }
+  side.synchronize();
+  expect_bitwise_equal(on_side, on_default, "side stream");
+  // The atomic path on a side stream agrees within tolerance.
+  DeterministicModeGuard atomic(false);
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    on_side = run_fused(x);
+  }
+  side.synchronize();
+  expect_close_to_composite(on_side, run_composite(x), at::kBFloat16, "atomic side stream");
+}
+
+TEST_F(GateGpuTest, OverriddenTilesAreUsedInBothModesAndStayCorrect) {
+  const Inputs x = make_inputs(2, 3001, 24, at::kBFloat16, at::kFloat);
+  const Outputs ref = run_composite(x);
+  for (const GateTile& tile : {GateTile{32, 16, 128}, GateTile{256, 32, 256}, GateTile{100, 64, 64}}) {
+    set_pre_gdr_gate_tile_override(tile);
+    for (bool deterministic : {false, true}) {
+      DeterministicModeGuard mode(deterministic);
+      const Outputs fused = run_fused(x);
+      const PreGdrGateBackwardRecord record = pre_gdr_gate_last_backward();
+      EXPECT_EQ(record.tile, tile);
+      EXPECT_EQ(record.source, SelectionSource::kOverride);
+      EXPECT_EQ(record.ordered, deterministic) << "pinning a tile must not switch arithmetic";
+      EXPECT_EQ(record.launch.programs_t, (2 * 3001 + tile.block_t - 1) / tile.block_t);
+      expect_close_to_composite(fused, ref, at::kBFloat16, "tile " + kernels::to_string(tile));
+    }
+  }
+  set_pre_gdr_gate_tile_override(std::nullopt);
+  DeterministicModeGuard mode(false);
+  clear_autotune_cache();
+  run_fused(x);
+  EXPECT_EQ(pre_gdr_gate_last_backward().source, SelectionSource::kAutotuneTimed);
+  run_fused(x);
+  EXPECT_EQ(pre_gdr_gate_last_backward().source, SelectionSource::kAutotuneCache);
+}
+
+void replay_under_contention(OrderedVariant variant, kernels::GateReduction expected) {
+  set_pre_gdr_gate_ordered_variant(variant);
+  DeterministicModeGuard mode(true);
+  const Inputs x = make_inputs(4, 2048, 16, at::kBFloat16, at::kFloat, 99);
+  const Outputs first = run_fused(x);
+  EXPECT_EQ(pre_gdr_gate_last_backward().reduction, expected);
+
+  // Contention: another thread keeps two other streams busy with matmuls and reductions.
+  std::atomic<bool> stop{false};
+  std::thread load([&] {
+    c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(), s2 = c10::cuda::getStreamFromPool();
+    at::Tensor m;
+    {
+      c10::cuda::CUDAStreamGuard g(s1);
+      m = at::randn({2048, 2048}, at::TensorOptions().device(at::kCUDA));
+    }
+    s1.synchronize();
+    while (!stop.load()) {
+      {
+        c10::cuda::CUDAStreamGuard g(s1);
+        at::Tensor r = at::matmul(m, m);
+      }
+      {
+        c10::cuda::CUDAStreamGuard g(s2);
+        at::Tensor r = m.sum(0);
+      }
+    }
+    s1.synchronize();
+    s2.synchronize();
+  });
+  int mismatches = 0;
+  for (int replay = 0; replay < 200; ++replay) {
+    auto [da, db, dA, ddt] = pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+    auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+    const Outputs now = {g, beta, da, db, dA, ddt};
+    for (size_t i = 0; i < now.size(); ++i) mismatches += bitwise_equal(now[i], first[i]) ? 0 : 1;
+  }
+  stop.store(true);
+  load.join();
+  EXPECT_EQ(mismatches, 0) << "the ordered backward must give identical bits on every replay";
+  EXPECT_EQ(pre_gdr_gate_last_backward().reduction, expected);
+  set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+}
+
+TEST_F(GateGpuTest, SinglePassOrderedBackwardReplays200TimesBitExactUnderContention) {
+  replay_under_contention(OrderedVariant::kSinglePass, kernels::GateReduction::kOrderedSinglePass);
+}
+
+TEST_F(GateGpuTest, TwoPassOrderedBackwardReplays200TimesBitExactUnderContention) {
+  replay_under_contention(OrderedVariant::kTwoPass, kernels::GateReduction::kOrdered);
+}
+
+TEST_F(GateGpuTest, BothOrderedVariantsAgreeWithTheComposite) {
+  DeterministicModeGuard mode(true);
+  for (int64_t heads : {16, 64, 65, 96}) {
+    const Inputs x = make_inputs(2, 1500, heads, at::kBFloat16, at::kFloat);
+    const Outputs ref = run_composite(x);
+    const Outputs auto_out = run_fused(x);
+    EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered) << heads;
+    expect_close_to_composite(auto_out, ref, at::kBFloat16, "auto Hv=" + std::to_string(heads));
+    if (heads <= kernels::kSinglePassMaxHeads) {
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+      expect_close_to_composite(run_fused(x), ref, at::kBFloat16, "single-pass Hv=" + std::to_string(heads));
+      EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass);
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+    }
+  }
+  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+  const Inputs wide = make_inputs(1, 100, 65, at::kFloat, at::kFloat);
+  try {
+    run_fused(wide);
+    ADD_FAILURE() << "single pass with Hv = 65 must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "pre_gdr_gate: the single-pass ordered reduction was requested but needs Hv <= 64 "
+              "(got 65) and a ticket counter made outside graph capture");
+  }
+}
+
+TEST_F(GateGpuTest, FlippingTheModeBetweenCallsSwitchesPaths) {
+  const Inputs x = make_inputs(1, 4096, 16, at::kBFloat16, at::kFloat);
+  const Outputs ref = run_composite(x);
+  Outputs ordered_first;
+  for (int i = 0; i < 6; ++i) {
+    const bool deterministic = i % 2 == 0;
+    set_deterministic_mode_override(deterministic);
+    const int64_t calls_before = pre_gdr_gate_last_backward().calls;
+    const Outputs out = run_fused(x);
+    const PreGdrGateBackwardRecord record = pre_gdr_gate_last_backward();
+    EXPECT_EQ(record.calls, calls_before + 1);
+    EXPECT_EQ(record.ordered, deterministic) << "call " << i;
+    EXPECT_EQ(record.source == SelectionSource::kStaticCost, deterministic) << "call " << i;
+    expect_close_to_composite(out, ref, at::kBFloat16, "flip " + std::to_string(i));
+    if (i == 0) ordered_first = out;
+    if (deterministic && i > 0) expect_bitwise_equal(out, ordered_first, "ordered after a flip");
+  }
+}
+
+TEST_F(GateGpuTest, AutogradBackwardThroughDefaultDispatchTakesTheIntendedPath) {
+  // No gdr override: the path must follow PyTorch's global switch, through the real
+  // autograd engine (which runs CUDA backward on its own device thread).
+  const Inputs x = make_inputs(2, 2048, 16, at::kBFloat16, at::kFloat);
+  for (bool torch_deterministic : {true, false, true}) {
+    at::globalContext().setDeterministicAlgorithms(torch_deterministic, false);
+    at::Tensor a = x.a.detach().requires_grad_(true), b = x.b.detach().requires_grad_(true);
+    at::Tensor A = x.A_log.detach().requires_grad_(true), dt = x.dt_bias.detach().requires_grad_(true);
+    const int64_t calls_before = pre_gdr_gate_last_backward().calls;
+    auto [g, beta] = pre_gdr_gate(a, b, A, dt);
+    at::Tensor loss = (g * x.grad_g).sum() + (beta * x.grad_beta).sum();
+    loss.backward();
+    const PreGdrGateBackwardRecord record = pre_gdr_gate_last_backward();
+    EXPECT_EQ(record.calls, calls_before + 1) << "backward must run the fused CUDA kernel";
+    EXPECT_EQ(record.ordered, torch_deterministic);
+    ASSERT_TRUE(A.grad().defined());
+    const Outputs ref = run_composite(x);
+    expect_close_to_composite({g.detach(), beta.detach(), a.grad(), b.grad(), A.grad(), dt.grad()},
+                              ref, at::kBFloat16, "autograd");
+  }
+  at::globalContext().setDeterministicAlgorithms(false, false);
+}
+
+}  // namespace
+}  // namespace gdr

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds every gpu-tagged test and every benchmark binary with the CUDA libtorch and
+# copies them (dereferenced, with their runfiles data, without libtorch itself) into
+# .gpu/, with .gpu/run_all.sh. Then one device run runs them all on a GPU machine:
+#   device run, carry [".gpu"], command: bash .gpu/run_all.sh
+# run_all.sh writes gpu_tests.log, junit.tar and bench.md under $OUT (or ./gpu-out).
+# On a GPU box that has Bazel, `bazel test --test_tag_filters=gpu //...` also works.
+set -euo pipefail
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo_root"
+bash tools/setup.sh
+
+mapfile -t tests < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
+mapfile -t benches < <(bazel query --noshow_progress 'kind(cc_binary, //bench/...)' 2>/dev/null)
+echo "make_bundle: ${#tests[@]} GPU tests, ${#benches[@]} benchmarks"
+# Static linking of our own libraries keeps the bundle self-contained apart from
+# libtorch/CUDA, which the GPU machine has.
+bazel build --dynamic_mode=off "${tests[@]}" "${benches[@]}"
+
+rm -rf .gpu
+mkdir -p .gpu/tests .gpu/bench
+copy_target() {  # label dest_dir
+  local label=$1 dest=$2
+  local pkg=${label#//}; pkg=${pkg%%:*}
+  local name=${label##*:}
+  local bin="bazel-bin/$pkg/$name"
+  mkdir -p "$dest/$name"
+  cp -L "$bin" "$dest/$name/$name"
+  if [ -d "$bin.runfiles/gdr" ]; then
+    tar -C "$bin.runfiles/gdr" -chf - --exclude=_solib_k8 --exclude="./$pkg/$name" . |
+      tar -C "$dest/$name" -xf -
+  fi
+}
+for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
+for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
+cp tools/gpu/run_all.sh .gpu/run_all.sh
+du -sh .gpu
