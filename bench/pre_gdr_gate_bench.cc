@@ -96,7 +96,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
   at::Tensor grad_beta = at::randn({1, shape.tokens, shape.heads}, cuda);
   const int64_t n = shape.tokens * shape.heads;
   const int64_t in_bytes = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t fwd_bytes = n * (2 * in_bytes + 2 * 4);           // read a, b; write g, beta
+  const int64_t fwd_bytes = n * (2 * in_bytes + 2 * 4);                 // read a, b; write g, beta
   const int64_t bwd_bytes = n * (2 * in_bytes + 2 * 4 + 2 * in_bytes);  // + grads in, da/db out
   at::Tensor copy_src = at::empty({fwd_bytes / 2}, cuda.dtype(at::kByte));
   at::Tensor copy_dst = at::empty_like(copy_src);
@@ -105,12 +105,12 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
 
   const Timing fwd = time_both([&] { pre_gdr_gate(a, b, A_log, dt_bias); });
   const double copy_fwd = graph_ms([&] {
-    cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), fwd_bytes / 2, cudaMemcpyDeviceToDevice,
-                    c10::cuda::getCurrentCUDAStream().stream());
+    cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), fwd_bytes / 2,
+                    cudaMemcpyDeviceToDevice, c10::cuda::getCurrentCUDAStream().stream());
   });
   const double copy_bwd = graph_ms([&] {
-    cudaMemcpyAsync(copy_dst_b.data_ptr(), copy_src_b.data_ptr(), bwd_bytes / 2, cudaMemcpyDeviceToDevice,
-                    c10::cuda::getCurrentCUDAStream().stream());
+    cudaMemcpyAsync(copy_dst_b.data_ptr(), copy_src_b.data_ptr(), bwd_bytes / 2,
+                    cudaMemcpyDeviceToDevice, c10::cuda::getCurrentCUDAStream().stream());
   });
   auto backward = [&] { pre_gdr_gate_backward(grad_g, grad_beta, a, b, A_log, dt_bias); };
   Timing bwd_atomic, bwd_ordered;
@@ -135,8 +135,10 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
   // Fused vs composite forward+backward through autograd (the way training runs it).
   auto fwd_bwd = [&](bool fused) {
     at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
-    at::Tensor A_ = A_log.detach().requires_grad_(true), dt_ = dt_bias.detach().requires_grad_(true);
-    auto [g, beta] = fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
+    at::Tensor A_ = A_log.detach().requires_grad_(true),
+               dt_ = dt_bias.detach().requires_grad_(true);
+    auto [g, beta] =
+        fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
     torch::autograd::grad({g, beta}, {a_, b_, A_, dt_}, {grad_g, grad_beta});
   };
   Timing fused_fb, composite_fb;
@@ -148,17 +150,19 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
 
   auto gbs = [](int64_t bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; };
   std::printf(
-      "| %lld | %lld | %s | %.1f / %.1f (%.0f GB/s, %.2f of copy) | %.1f / %.1f [%s] | %.1f / %.1f [%s] | "
-      "%.3f / %.3f | %.1f / %.1f | %.0f GB/s, %.2f of copy | %.1f / %.1f | %.1f / %.1f | %.2fx / %.2fx |\n",
+      "| %lld | %lld | %s | %.1f / %.1f (%.0f GB/s, %.2f of copy) | %.1f / %.1f [%s] | %.1f / %.1f "
+      "[%s] | "
+      "%.3f / %.3f | %.1f / %.1f | %.0f GB/s, %.2f of copy | %.1f / %.1f | %.1f / %.1f | %.2fx / "
+      "%.2fx |\n",
       static_cast<long long>(shape.tokens), static_cast<long long>(shape.heads),
       c10::toString(dtype), fwd.eager * 1e3, fwd.graph * 1e3, gbs(fwd_bytes, fwd.graph),
       copy_fwd / fwd.graph, bwd_atomic.eager * 1e3, bwd_atomic.graph * 1e3, atomic_tile.c_str(),
       bwd_ordered.eager * 1e3, bwd_ordered.graph * 1e3, ordered_tile.c_str(),
       bwd_ordered.eager / bwd_atomic.eager, bwd_ordered.graph / bwd_atomic.graph,
-      bwd_two_pass.eager * 1e3, bwd_two_pass.graph * 1e3,
-      gbs(bwd_bytes, bwd_ordered.graph), copy_bwd / bwd_ordered.graph, fused_fb.eager * 1e3,
-      fused_fb.graph * 1e3, composite_fb.eager * 1e3, composite_fb.graph * 1e3,
-      composite_fb.eager / fused_fb.eager, composite_fb.graph / fused_fb.graph);
+      bwd_two_pass.eager * 1e3, bwd_two_pass.graph * 1e3, gbs(bwd_bytes, bwd_ordered.graph),
+      copy_bwd / bwd_ordered.graph, fused_fb.eager * 1e3, fused_fb.graph * 1e3,
+      composite_fb.eager * 1e3, composite_fb.graph * 1e3, composite_fb.eager / fused_fb.eager,
+      composite_fb.graph / fused_fb.graph);
   std::fflush(stdout);
 
   if (!print_tiles) return;
@@ -174,10 +178,11 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
       DeterministicModeGuard mode(true);
       t_ordered = graph_ms(backward);
     }
-    std::printf("tile %s tokens=%lld heads=%lld %s graph_us atomic=%.2f ordered=%.2f static_cost=%.3f\n",
-                kernels::to_string(tile).c_str(), static_cast<long long>(shape.tokens),
-                static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
-                kernels::gate_tile_static_cost(tile, gshape));
+    std::printf(
+        "tile %s tokens=%lld heads=%lld %s graph_us atomic=%.2f ordered=%.2f static_cost=%.3f\n",
+        kernels::to_string(tile).c_str(), static_cast<long long>(shape.tokens),
+        static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
+        kernels::gate_tile_static_cost(tile, gshape));
   }
   set_pre_gdr_gate_tile_override(std::nullopt);
   std::fflush(stdout);
@@ -190,10 +195,11 @@ int main(int argc, char** argv) {
   bool print_tiles = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--help") == 0) {
-      std::printf("usage: pre_gdr_gate_bench [--tiles]\n"
-                  "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
-                  "  composite forward+backward) against a device copy of the same bytes.\n"
-                  "  --tiles  also time every candidate tile of the backward in both modes\n");
+      std::printf(
+          "usage: pre_gdr_gate_bench [--tiles]\n"
+          "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
+          "  composite forward+backward) against a device copy of the same bytes.\n"
+          "  --tiles  also time every candidate tile of the backward in both modes\n");
       return 0;
     }
     if (std::strcmp(argv[i], "--tiles") == 0) {
@@ -205,12 +211,15 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("GPU: %s, %d SMs; warm-up %d, median of %d; times in us as eager / graph "
-              "(see the header of bench/pre_gdr_gate_bench.cc); bandwidth from graph times\n\n",
-              prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
-  std::printf("| tokens | Hv | dtype | forward | backward atomic [tile] | backward ordered [tile] | "
-              "ordered/atomic | single-pass ordered | ordered backward BW | fused fwd+bwd | composite fwd+bwd | "
-              "composite/fused |\n");
+  std::printf(
+      "GPU: %s, %d SMs; warm-up %d, median of %d; times in us as eager / graph "
+      "(see the header of bench/pre_gdr_gate_bench.cc); bandwidth from graph times\n\n",
+      prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
+  std::printf(
+      "| tokens | Hv | dtype | forward | backward atomic [tile] | backward ordered [tile] | "
+      "ordered/atomic | single-pass ordered | ordered backward BW | fused fwd+bwd | composite "
+      "fwd+bwd | "
+      "composite/fused |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
   for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {

@@ -61,7 +61,8 @@ struct Divider {  // 64-bit fallback: plain division
 };
 
 template <typename Index>
-using DividerFor = std::conditional_t<std::is_same_v<Index, int32_t>, FastDivider32, Divider<Index>>;
+using DividerFor =
+    std::conditional_t<std::is_same_v<Index, int32_t>, FastDivider32, Divider<Index>>;
 
 // Token index -> (i0, i1) of a strided [dim0, dim1, heads] operand. Index is 32-bit when
 // the whole problem fits, since 64-bit arithmetic costs several times more.
@@ -91,14 +92,19 @@ __device__ __forceinline__ Index strided_offset(const StridedOperand& op, Index 
 // instruction). All loads are issued before any store: without that, the compiler must
 // assume g/beta stores may alias a/b and serialises load -> store -> load, leaving too
 // few bytes in flight to approach HBM bandwidth.
-constexpr int kForwardItemsPerThread = 8;
+// Large problems take 8 items per thread (more bytes in flight per thread); small ones 2,
+// so that the grid still covers every SM (131k elements at the 0.8B shape would
+// otherwise be 64 blocks on a 132-SM GPU).
 constexpr int kForwardThreads = 256;
+constexpr int kForwardItemsLarge = 8;
+constexpr int kForwardItemsSmall = 2;
+constexpr int64_t kForwardSmallLimit = int64_t{1} << 21;
 
 // Per-head constants (-exp(A_log), dt_bias) come from a shared-memory table when the head
 // count fits, so the per-element work is the activation math alone.
 constexpr int kForwardTableHeads = 1024;
 
-template <typename In, typename Param, typename Index, bool kFlat>
+template <typename In, typename Param, typename Index, bool kFlat, int kForwardItemsPerThread>
 __global__ void __launch_bounds__(kForwardThreads)
     gate_forward_kernel(GateForwardArgs args, Index total, DividerFor<Index> heads,
                         TokenDecoder<Index> dec) {
@@ -117,8 +123,8 @@ __global__ void __launch_bounds__(kForwardThreads)
     }
     __syncthreads();
   }
-  const Index base = static_cast<Index>(blockIdx.x) * (kForwardThreads * kForwardItemsPerThread) +
-                     threadIdx.x;
+  const Index base =
+      static_cast<Index>(blockIdx.x) * (kForwardThreads * kForwardItemsPerThread) + threadIdx.x;
   float a_val[kForwardItemsPerThread], b_val[kForwardItemsPerThread];
   Index head[kForwardItemsPerThread];
 #pragma unroll
@@ -317,7 +323,8 @@ __global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
   float acc = 0.0f;
   if (slot < slots) {
 #pragma unroll 8
-    for (int64_t p = row; p < programs_t; p += kReduceRows) acc += __ldg(partials + p * slots + slot);
+    for (int64_t p = row; p < programs_t; p += kReduceRows)
+      acc += __ldg(partials + p * slots + slot);
   }
   sums[row][lane] = acc;
   __syncthreads();
@@ -369,7 +376,8 @@ bool is_flat(const StridedOperand& op, const GateShape& shape) {
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream) {
   const int64_t total = args.shape.tokens() * args.shape.heads;
   if (total == 0) return cudaSuccess;
-  const int64_t per_block = kForwardThreads * kForwardItemsPerThread;
+  const bool small = total < kForwardSmallLimit;
+  const int64_t per_block = kForwardThreads * (small ? kForwardItemsSmall : kForwardItemsLarge);
   const dim3 grid(static_cast<unsigned>((total + per_block - 1) / per_block));
   dispatch_kind(args.input_kind, [&](auto in_tag) {
     dispatch_kind(args.param_kind, [&](auto param_tag) {
@@ -378,9 +386,11 @@ int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream
       const bool flat = is_flat(args.a, args.shape) && is_flat(args.b, args.shape);
       auto go = [&](auto index_tag, auto flat_tag, auto heads_div, auto dim1_div) {
         using Index = decltype(index_tag);
-        gate_forward_kernel<In, Param, Index, decltype(flat_tag)::value>
-            <<<grid, kForwardThreads, 0, stream>>>(args, static_cast<Index>(total), heads_div,
-                                                   TokenDecoder<Index>{dim1_div});
+        constexpr bool kFlat = decltype(flat_tag)::value;
+        auto kernel = small ? gate_forward_kernel<In, Param, Index, kFlat, kForwardItemsSmall>
+                            : gate_forward_kernel<In, Param, Index, kFlat, kForwardItemsLarge>;
+        kernel<<<grid, kForwardThreads, 0, stream>>>(args, static_cast<Index>(total), heads_div,
+                                                     TokenDecoder<Index>{dim1_div});
       };
       if (fits_int32(args.shape, {args.a, args.b})) {
         const FastDivider32 heads_div(static_cast<uint32_t>(args.shape.heads));
@@ -401,7 +411,8 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
                                  GateReduction reduction, float* out, CUstream_st* stream) {
   if (args.shape.tokens() == 0 || args.shape.heads == 0) return cudaSuccess;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, args.shape);
-  const dim3 grid(static_cast<unsigned>(launch.programs_t), static_cast<unsigned>(launch.programs_h));
+  const dim3 grid(static_cast<unsigned>(launch.programs_t),
+                  static_cast<unsigned>(launch.programs_h));
   const size_t shared = static_cast<size_t>(launch.shared_bytes);
   dispatch_kind(args.input_kind, [&](auto in_tag) {
     dispatch_kind(args.param_kind, [&](auto param_tag) {
@@ -439,11 +450,12 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
   return cudaGetLastError();
 }
 
-int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t,
-                                        int64_t heads, ScalarKind param_kind, void* dA_log,
-                                        void* ddt_bias, CUstream_st* stream) {
+int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t, int64_t heads,
+                                        ScalarKind param_kind, void* dA_log, void* ddt_bias,
+                                        CUstream_st* stream) {
   if (heads == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
+  const dim3 grid(
+      static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
   dispatch_kind(param_kind, [&](auto param_tag) {
     using Param = decltype(param_tag);
     gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(

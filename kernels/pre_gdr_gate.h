@@ -123,8 +123,8 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
 
 // Ordered second pass: sums the partial rows in a fixed order that depends only on
 // programs_t, then writes dA_log / ddt_bias ([heads], param_kind).
-int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t,
-                                        int64_t heads, ScalarKind param_kind, void* dA_log,
-                                        void* ddt_bias, CUstream_st* stream);
+int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t, int64_t heads,
+                                        ScalarKind param_kind, void* dA_log, void* ddt_bias,
+                                        CUstream_st* stream);
 
 }  // namespace gdr::kernels

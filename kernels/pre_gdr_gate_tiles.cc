@@ -1,6 +1,7 @@
 // Host-side tile rules of the pre-GDR gate backward (see pre_gdr_gate.h).
 #include "kernels/pre_gdr_gate.h"
 
+#include <cmath>
 
 namespace gdr::kernels {
 
@@ -27,8 +28,7 @@ const std::vector<GateTile>& pre_gdr_gate_candidate_tiles() {
 
 std::string validate_gate_tile(const GateTile& tile) {
   if (tile.threads < 32 || tile.threads > 1024 || tile.threads % 32 != 0) {
-    return "threads must be a multiple of 32 in [32, 1024], got " +
-           std::to_string(tile.threads);
+    return "threads must be a multiple of 32 in [32, 1024], got " + std::to_string(tile.threads);
   }
   if (tile.block_h < 1 || tile.block_h > tile.threads || tile.threads % tile.block_h != 0) {
     return "block_h must divide threads (" + std::to_string(tile.threads) + "), got " +
@@ -36,8 +36,8 @@ std::string validate_gate_tile(const GateTile& tile) {
   }
   const int rows = tile.threads / tile.block_h;
   if (tile.block_t < rows || tile.block_t > (1 << 16)) {
-    return "block_t must be in [threads / block_h = " + std::to_string(rows) +
-           ", 65536], got " + std::to_string(tile.block_t);
+    return "block_t must be in [threads / block_h = " + std::to_string(rows) + ", 65536], got " +
+           std::to_string(tile.block_t);
   }
   return "";
 }
@@ -52,23 +52,23 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
   return launch;
 }
 
-// The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles,
-// docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
-// the backward is memory/instruction bound and wants (1) 16 head lanes (one 32-byte
-// BF16 sector per token row) and 256 threads per program, (2) no more than
-// kMaxPrograms programs (about 8 resident per SM of a 132-SM part: a constant, not a
-// device query, so the choice is a pure function of the shape), then (3) the smallest
-// block_t, i.e. the most parallelism, and the fewest partial rows for the ordered pass.
+// The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table
+// in docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
+//   (1) 256 threads, and 16 head lanes per program (one 32-byte BF16 sector per token
+//       row), or 32 when Hv >= 64 (fewer, wider rows won there);
+//   (2) about kTargetPrograms programs: enough to fill a 132-SM part a few times over
+//       without a long tail of partial rows for the ordered pass (a constant, not a
+//       device query, so the choice is a pure function of the shape);
+//   (3) ties to the smaller block_t.
 double gate_tile_static_cost(const GateTile& tile, const GateShape& shape) {
-  constexpr int64_t kMaxPrograms = 1024;
+  constexpr double kTargetPrograms = 640.0;
+  const int preferred_block_h = shape.heads >= 64 ? 32 : 16;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, shape);
   double cost = 0.0;
-  if (tile.block_h != 16) cost += 4000.0;
-  if (tile.threads != 256) cost += 2000.0;
-  if (launch.num_programs() > kMaxPrograms) {
-    cost += 1000.0 * static_cast<double>(launch.num_programs()) / kMaxPrograms;
-  }
-  return cost + tile.block_t;
+  if (tile.block_h != preferred_block_h) cost += 1000.0;
+  if (tile.threads != 256) cost += 100.0;
+  cost += std::abs(std::log2(static_cast<double>(launch.num_programs()) / kTargetPrograms));
+  return cost + 1e-6 * tile.block_t;
 }
 
 }  // namespace gdr::kernels

@@ -43,11 +43,11 @@ int64_t autotune_cache_size();
 // `static_cost` must be a pure function of the shapes; `time_ms` runs one candidate and
 // returns its time (it is only called in default mode, on a cache miss).
 template <typename Config>
-TileSelection<Config> autotune_configs(
-    const std::vector<Config>& candidates, const std::string& cache_key, bool deterministic,
-    const std::optional<Config>& override_config,
-    const std::function<double(const Config&)>& static_cost,
-    const std::function<double(const Config&)>& time_ms) {
+TileSelection<Config> autotune_configs(const std::vector<Config>& candidates,
+                                       const std::string& cache_key, bool deterministic,
+                                       const std::optional<Config>& override_config,
+                                       const std::function<double(const Config&)>& static_cost,
+                                       const std::function<double(const Config&)>& time_ms) {
   TORCH_CHECK(!candidates.empty(), "autotune_configs: empty candidate list for ", cache_key);
   if (override_config.has_value()) return {*override_config, SelectionSource::kOverride};
   if (deterministic) {

@@ -3,12 +3,12 @@
 // from pre_gdr_gate_cuda.cc (linked only into CUDA binaries).
 #include "ops/pre_gdr_gate.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softplus.h>
 #include <ATen/ops/zeros_like.h>
-#include <ATen/TensorOperators.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -47,7 +47,8 @@ void check_activation(const at::Tensor& t, const char* name, const at::Tensor& A
 
 void check_forward_inputs(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                           const at::Tensor& dt_bias) {
-  TORCH_CHECK(A_log.defined() && dt_bias.defined(), "pre_gdr_gate: A_log and dt_bias must be defined");
+  TORCH_CHECK(A_log.defined() && dt_bias.defined(),
+              "pre_gdr_gate: A_log and dt_bias must be defined");
   TORCH_CHECK(A_log.dim() == 1, "pre_gdr_gate: expected A_log of shape [Hv], but got shape ",
               A_log.sizes());
   TORCH_CHECK(A_log.size(0) > 0, "pre_gdr_gate: A_log is empty; expected Hv >= 1 heads");
@@ -56,14 +57,16 @@ void check_forward_inputs(const at::Tensor& a, const at::Tensor& b, const at::Te
   TORCH_CHECK(is_supported_dtype(A_log.scalar_type()),
               "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16, but got ",
               A_log.scalar_type());
-  TORCH_CHECK(dt_bias.scalar_type() == A_log.scalar_type(), "pre_gdr_gate: expected dt_bias of dtype ",
-              A_log.scalar_type(), " (same as A_log), but got ", dt_bias.scalar_type());
+  TORCH_CHECK(dt_bias.scalar_type() == A_log.scalar_type(),
+              "pre_gdr_gate: expected dt_bias of dtype ", A_log.scalar_type(),
+              " (same as A_log), but got ", dt_bias.scalar_type());
   TORCH_CHECK(dt_bias.device() == A_log.device(), "pre_gdr_gate: dt_bias is on ", dt_bias.device(),
               " but A_log is on ", A_log.device(), "; expected all tensors on one device");
   check_activation(a, "a", A_log);
   check_activation(b, "b", A_log);
   TORCH_CHECK(is_supported_dtype(a.scalar_type()),
-              "pre_gdr_gate: expected a of dtype Float, Half or BFloat16, but got ", a.scalar_type());
+              "pre_gdr_gate: expected a of dtype Float, Half or BFloat16, but got ",
+              a.scalar_type());
   TORCH_CHECK(b.scalar_type() == a.scalar_type(), "pre_gdr_gate: expected b of dtype ",
               a.scalar_type(), " (same as a), but got ", b.scalar_type());
   TORCH_CHECK(b.sizes() == a.sizes(), "pre_gdr_gate: expected b of shape ", a.sizes(),
@@ -74,8 +77,9 @@ void check_backward_inputs(const at::Tensor& grad_g, const at::Tensor& grad_beta
                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                            const at::Tensor& dt_bias) {
   check_forward_inputs(a, b, A_log, dt_bias);
-  for (const auto& [grad, name] : {std::pair<const at::Tensor&, const char*>{grad_g, "grad_g"},
-                                   std::pair<const at::Tensor&, const char*>{grad_beta, "grad_beta"}}) {
+  for (const auto& [grad, name] :
+       {std::pair<const at::Tensor&, const char*>{grad_g, "grad_g"},
+        std::pair<const at::Tensor&, const char*>{grad_beta, "grad_beta"}}) {
     TORCH_CHECK(grad.defined(), "pre_gdr_gate_backward: ", name, " is undefined");
     TORCH_CHECK(grad.scalar_type() == at::kFloat, "pre_gdr_gate_backward: expected ", name,
                 " of dtype Float (the outputs are FP32), but got ", grad.scalar_type());
@@ -140,13 +144,16 @@ kernels::GateTile parse_gate_tile(const std::string& text, const std::string& so
     char* end = nullptr;
     const long value = std::strtol(item.c_str(), &end, 10);
     TORCH_CHECK(!item.empty() && end != nullptr && *end == '\0' && value > 0 && value < (1 << 20),
-                source, ": expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers (e.g. "
-                "128x16x256), but got '", text, "'");
+                source,
+                ": expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers (e.g. "
+                "128x16x256), but got '",
+                text, "'");
     parts.push_back(static_cast<int>(value));
   }
   TORCH_CHECK(parts.size() == 3, source,
               ": expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers (e.g. 128x16x256), "
-              "but got '", text, "'");
+              "but got '",
+              text, "'");
   const kernels::GateTile tile{parts[0], parts[1], parts[2]};
   const std::string problem = kernels::validate_gate_tile(tile);
   TORCH_CHECK(problem.empty(), source, ": tile ", text, " cannot be launched: ", problem);
@@ -226,7 +233,8 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cpu(const at::Tensor& a,
                                                             const at::Tensor& dt_bias) {
   gate_internal::check_forward_inputs(a, b, A_log, dt_bias);
   const at::Tensor af = as_float_3d(a), bf = as_float_3d(b);
-  const at::Tensor Af = A_log.to(at::kFloat).contiguous(), dtf = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor Af = A_log.to(at::kFloat).contiguous(),
+                   dtf = dt_bias.to(at::kFloat).contiguous();
   at::Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat));
   at::Tensor beta = at::empty(a.sizes(), a.options().dtype(at::kFloat));
   const int64_t heads = A_log.size(0);
@@ -246,12 +254,13 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cpu(const at::Tensor& a,
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward_cpu(
-    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
-    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias) {
+    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& A_log, const at::Tensor& dt_bias) {
   gate_internal::check_backward_inputs(grad_g, grad_beta, a, b, A_log, dt_bias);
   const at::Tensor af = as_float_3d(a), bf = as_float_3d(b);
   const at::Tensor dgf = as_float_3d(grad_g), dbetaf = as_float_3d(grad_beta);
-  const at::Tensor Af = A_log.to(at::kFloat).contiguous(), dtf = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor Af = A_log.to(at::kFloat).contiguous(),
+                   dtf = dt_bias.to(at::kFloat).contiguous();
   const int64_t heads = A_log.size(0);
   const int64_t n = af.numel();
   at::Tensor da = at::empty(a.sizes(), a.options().dtype(at::kFloat));
@@ -295,24 +304,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
 const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>&
 forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("gdr::pre_gdr_gate", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&)>();
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gdr::pre_gdr_gate", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&)>();
   return op;
 }
 
 const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&)>&
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&)>&
 backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("gdr::pre_gdr_gate_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&)>();
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gdr::pre_gdr_gate_backward", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   return op;
 }
 
@@ -334,7 +342,8 @@ class PreGdrGateFunction : public torch::autograd::Function<PreGdrGateFunction> 
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& a = saved[0];
-    at::Tensor grad_g = grads[0].defined() ? grads[0] : at::zeros_like(a, a.options().dtype(at::kFloat));
+    at::Tensor grad_g =
+        grads[0].defined() ? grads[0] : at::zeros_like(a, a.options().dtype(at::kFloat));
     at::Tensor grad_beta =
         grads[1].defined() ? grads[1] : at::zeros_like(a, a.options().dtype(at::kFloat));
     auto [da, db, dA_log, ddt_bias] =
@@ -343,8 +352,7 @@ class PreGdrGateFunction : public torch::autograd::Function<PreGdrGateFunction> 
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_autograd(const at::Tensor& a,
-                                                         const at::Tensor& b,
+std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_autograd(const at::Tensor& a, const at::Tensor& b,
                                                          const at::Tensor& A_log,
                                                          const at::Tensor& dt_bias) {
   auto outputs = PreGdrGateFunction::apply(a, b, A_log, dt_bias);
@@ -354,7 +362,8 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_autograd(const at::Tensor& a,
 }  // namespace
 
 TORCH_LIBRARY(gdr, m) {
-  m.def("pre_gdr_gate(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor g, Tensor beta)");
+  m.def(
+      "pre_gdr_gate(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor g, Tensor beta)");
   m.def(
       "pre_gdr_gate_backward(Tensor grad_g, Tensor grad_beta, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias) -> (Tensor da, Tensor db, Tensor dA_log, Tensor ddt_bias)");
@@ -374,17 +383,17 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate(const at::Tensor& a, const at::T
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward(
-    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
-    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias) {
+    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& A_log, const at::Tensor& dt_bias) {
   return backward_op().call(grad_g, grad_beta, a, b, A_log, dt_bias);
 }
 
-std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a,
-                                                          const at::Tensor& b,
+std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a, const at::Tensor& b,
                                                           const at::Tensor& A_log,
                                                           const at::Tensor& dt_bias) {
   gate_internal::check_forward_inputs(a, b, A_log, dt_bias);
-  at::Tensor g = -at::exp(A_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
+  at::Tensor g =
+      -at::exp(A_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
   at::Tensor beta = at::sigmoid(b.to(at::kFloat));
   return {g, beta};
 }

@@ -27,18 +27,16 @@ namespace gdr {
 
 // Autograd-aware entry point (dispatches to CPU or CUDA).
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate(const at::Tensor& a, const at::Tensor& b,
-                                                const at::Tensor& A_log,
-                                                const at::Tensor& dt_bias);
+                                                const at::Tensor& A_log, const at::Tensor& dt_bias);
 
 // The backward op alone (no autograd): returns (da, db, dA_log, ddt_bias).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward(
-    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
-    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias);
+    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& A_log, const at::Tensor& dt_bias);
 
 // The unfused libtorch composition of the same formulas (autograd through ATen ops);
 // the `none` fusion level of the model and the reference of the tests.
-std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a,
-                                                          const at::Tensor& b,
+std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a, const at::Tensor& b,
                                                           const at::Tensor& A_log,
                                                           const at::Tensor& dt_bias);
 

@@ -26,8 +26,8 @@ using gate_internal::scalar_kind;
 using gate_internal::strided_operand;
 
 void check_launch(int error, const char* what) {
-  TORCH_CHECK(error == cudaSuccess, "pre_gdr_gate: ", what, " launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(error)));
+  TORCH_CHECK(error == cudaSuccess, "pre_gdr_gate: ", what,
+              " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cuda(const at::Tensor& a,
@@ -50,8 +50,9 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cuda(const at::Tensor& a
   args.dt_bias = dt_bias_c.data_ptr();
   args.g = g.data_ptr<float>();
   args.beta = beta.data_ptr<float>();
-  check_launch(kernels::launch_pre_gdr_gate_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
-               "forward");
+  check_launch(
+      kernels::launch_pre_gdr_gate_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
+      "forward");
   return {g, beta};
 }
 
@@ -105,8 +106,8 @@ unsigned int* ticket_counter_for(cudaStream_t stream) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward_cuda(
-    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a,
-    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias) {
+    const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& A_log, const at::Tensor& dt_bias) {
   gate_internal::check_backward_inputs(grad_g, grad_beta, a, b, A_log, dt_bias);
   const c10::cuda::CUDAGuard device_guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -131,8 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
 
   const bool ordered = use_deterministic_mode();
   const std::string dtype_key = std::string("in=") + c10::toString(a.scalar_type()) +
-                                "|param=" + c10::toString(A_log.scalar_type()) +
-                                "|contiguous=" + (a.is_contiguous() && b.is_contiguous() ? "1" : "0");
+                                "|param=" + c10::toString(A_log.scalar_type()) + "|contiguous=" +
+                                (a.is_contiguous() && b.is_contiguous() ? "1" : "0");
   at::Tensor accumulator;  // atomic mode only: FP32 [2, Hv]
   if (!ordered) accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
   const TileSelection<kernels::GateTile> selection = select_pre_gdr_gate_tile(

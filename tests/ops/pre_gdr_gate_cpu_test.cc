@@ -48,9 +48,10 @@ struct SelectionCase {
 
 std::string selection_case_name(const testing::TestParamInfo<SelectionCase>& info) {
   const SelectionCase& c = info.param;
-  std::string name = std::string(c.shape.name) + "_" + c.dtype_key + "_" +
-                     (c.deterministic ? "deterministic" : "default") + "_" +
-                     (c.override_tile ? "override_" + kernels::to_string(*c.override_tile) : "no_override");
+  std::string name =
+      std::string(c.shape.name) + "_" + c.dtype_key + "_" +
+      (c.deterministic ? "deterministic" : "default") + "_" +
+      (c.override_tile ? "override_" + kernels::to_string(*c.override_tile) : "no_override");
   for (char& ch : name) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
@@ -86,7 +87,8 @@ TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
   const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
 
   // Fake timings that prefer one specific candidate, so the timed choice is known.
-  const size_t fastest = (static_cast<size_t>(shape.tokens()) * 7 + shape.heads) % candidates.size();
+  const size_t fastest =
+      (static_cast<size_t>(shape.tokens()) * 7 + shape.heads) % candidates.size();
   std::map<std::string, int> timed;
   auto time_ms = [&](const GateTile& tile) {
     ++timed[kernels::to_string(tile)];
@@ -194,7 +196,9 @@ TEST(GateTileOverride, RefusesImpossibleTilesWithAClearMessage) {
   EXPECT_EQ(error_of([] { parse_gate_tile("128x48x256", "GDR_PRE_GDR_GATE_TILE"); }),
             "GDR_PRE_GDR_GATE_TILE: tile 128x48x256 cannot be launched: block_h must divide "
             "threads (256), got 48");
-  EXPECT_EQ(error_of([] { set_pre_gdr_gate_tile_override(GateTile{4, 16, 256}); }),
+  EXPECT_EQ(error_of([] {
+              set_pre_gdr_gate_tile_override(GateTile{4, 16, 256});
+            }),
             "set_pre_gdr_gate_tile_override: tile 4x16x256 cannot be launched: block_t must be "
             "in [threads / block_h = 16, 65536], got 4");
 }
@@ -273,11 +277,13 @@ class GateMathTest : public testing::TestWithParam<MathCase> {};
 TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
   const MathCase& c = GetParam();
   at::manual_seed(1234);
-  const double offset = std::string(c.regime) == "large_pre" ? 24.0
-                        : std::string(c.regime) == "very_negative_pre" ? -40.0 : 0.0;
+  const double offset = std::string(c.regime) == "large_pre"           ? 24.0
+                        : std::string(c.regime) == "very_negative_pre" ? -40.0
+                                                                       : 0.0;
   const auto in_opts = at::TensorOptions().dtype(c.input_dtype);
   const auto p_opts = at::TensorOptions().dtype(c.param_dtype);
-  at::Tensor a = (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 2 + offset).to(c.input_dtype);
+  at::Tensor a =
+      (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 2 + offset).to(c.input_dtype);
   at::Tensor b = (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 3).to(c.input_dtype);
   at::Tensor A_log = at::log(at::rand({c.shape.heads}) * 15.99 + 0.01).to(c.param_dtype);
   at::Tensor dt_bias = (at::randn({c.shape.heads}) * 0.5 + 1).to(c.param_dtype);
@@ -288,8 +294,10 @@ TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
 
   auto run = [&](bool fused) {
     at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
-    at::Tensor A_ = A_log.detach().requires_grad_(true), dt_ = dt_bias.detach().requires_grad_(true);
-    auto [g, beta] = fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
+    at::Tensor A_ = A_log.detach().requires_grad_(true),
+               dt_ = dt_bias.detach().requires_grad_(true);
+    auto [g, beta] =
+        fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
     auto grads = torch::autograd::grad({g, beta}, {a_, b_, A_, dt_}, {grad_g, grad_beta});
     return std::vector<at::Tensor>{g, beta, grads[0], grads[1], grads[2], grads[3]};
   };
@@ -321,7 +329,8 @@ TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Registry, GateMathTest, testing::ValuesIn(all_math_cases()), math_case_name);
+INSTANTIATE_TEST_SUITE_P(Registry, GateMathTest, testing::ValuesIn(all_math_cases()),
+                         math_case_name);
 
 TEST(GateMath, IndependentCheckFromTheSpecInDouble) {
   // Written from the spec's formulas, not from the op (the one independent check).
@@ -365,25 +374,42 @@ TEST(GateErrors, BadInputsAreRefusedWithMessagesNamingTheArgument) {
       {"mixed param dtype", [&] { pre_gdr_gate(a, a, A, A.to(at::kBFloat16)); },
        "pre_gdr_gate: expected dt_bias of dtype Float (same as A_log), but got BFloat16"},
       {"4-D a", [&] { pre_gdr_gate(a.unsqueeze(0), a.unsqueeze(0), A, A); },
-       "pre_gdr_gate: expected a of shape [B, S, Hv] or [T, Hv], but got 4 dimensions [1, 2, 3, 4]"},
-      {"mismatched Hv", [&] { pre_gdr_gate(at::zeros({2, 3, 5}), at::zeros({2, 3, 5}), A, A); },
+       "pre_gdr_gate: expected a of shape [B, S, Hv] or [T, Hv], but got 4 dimensions [1, 2, 3, "
+       "4]"},
+      {"mismatched Hv",
+       [&] {
+         pre_gdr_gate(at::zeros({2, 3, 5}), at::zeros({2, 3, 5}), A, A);
+       },
        "pre_gdr_gate: a has 5 heads in its last dimension but A_log has 4 (expected Hv = "
        "A_log.size(0)); a.shape = [2, 3, 5]"},
-      {"b shape", [&] { pre_gdr_gate(a, at::zeros({2, 2, 4}), A, A); },
+      {"b shape",
+       [&] {
+         pre_gdr_gate(a, at::zeros({2, 2, 4}), A, A);
+       },
        "pre_gdr_gate: expected b of shape [2, 3, 4] (same as a), but got [2, 2, 4]"},
       {"2-D A_log", [&] { pre_gdr_gate(a, a, A.unsqueeze(0), A); },
        "pre_gdr_gate: expected A_log of shape [Hv], but got shape [1, 4]"},
       {"dt_bias shape", [&] { pre_gdr_gate(a, a, A, at::zeros({3})); },
        "pre_gdr_gate: expected dt_bias of shape [4] (same as A_log), but got [3]"},
-      {"empty tokens", [&] { pre_gdr_gate(at::zeros({0, 3, 4}), at::zeros({0, 3, 4}), A, A); },
+      {"empty tokens",
+       [&] {
+         pre_gdr_gate(at::zeros({0, 3, 4}), at::zeros({0, 3, 4}), A, A);
+       },
        "pre_gdr_gate: a has no tokens (shape [0, 3, 4]); expected at least one token"},
-      {"no heads", [&] { pre_gdr_gate(at::zeros({2, 0}), at::zeros({2, 0}), at::zeros({0}), at::zeros({0})); },
+      {"no heads",
+       [&] {
+         pre_gdr_gate(at::zeros({2, 0}), at::zeros({2, 0}), at::zeros({0}), at::zeros({0}));
+       },
        "pre_gdr_gate: A_log is empty; expected Hv >= 1 heads"},
       {"device mismatch", [&] { pre_gdr_gate_composite(a.to(at::kMeta), a.to(at::kMeta), A, A); },
        "pre_gdr_gate: a is on meta but A_log is on cpu; expected all tensors on one device"},
       {"grad dtype", [&] { pre_gdr_gate_backward(g.to(at::kBFloat16), g, a, a, A, A); },
-       "pre_gdr_gate_backward: expected grad_g of dtype Float (the outputs are FP32), but got BFloat16"},
-      {"grad shape", [&] { pre_gdr_gate_backward(g, at::zeros({6, 4}), a, a, A, A); },
+       "pre_gdr_gate_backward: expected grad_g of dtype Float (the outputs are FP32), but got "
+       "BFloat16"},
+      {"grad shape",
+       [&] {
+         pre_gdr_gate_backward(g, at::zeros({6, 4}), a, a, A, A);
+       },
        "pre_gdr_gate_backward: expected grad_beta of shape [2, 3, 4] (same as a), but got [6, 4]"},
   };
   for (const ErrorCase& c : cases) {

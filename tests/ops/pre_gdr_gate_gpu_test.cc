@@ -44,13 +44,15 @@ using Outputs = std::vector<at::Tensor>;  // g, beta, da, db, dA_log, ddt_bias
 
 Outputs run_fused(const Inputs& x) {
   auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
-  auto [da, db, dA, ddt] = pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+  auto [da, db, dA, ddt] =
+      pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
   return {g, beta, da, db, dA, ddt};
 }
 
 Outputs run_composite(const Inputs& x) {
   at::Tensor a = x.a.detach().requires_grad_(true), b = x.b.detach().requires_grad_(true);
-  at::Tensor A = x.A_log.detach().requires_grad_(true), dt = x.dt_bias.detach().requires_grad_(true);
+  at::Tensor A = x.A_log.detach().requires_grad_(true),
+             dt = x.dt_bias.detach().requires_grad_(true);
   auto [g, beta] = pre_gdr_gate_composite(a, b, A, dt);
   auto grads = torch::autograd::grad({g, beta}, {a, b, A, dt}, {x.grad_g, x.grad_beta});
   return {g.detach(), beta.detach(), grads[0], grads[1], grads[2], grads[3]};
@@ -85,7 +87,8 @@ void expect_close_to_composite(const Outputs& fused, const Outputs& ref, at::Sca
     const double err = (f - r).abs().max().item<double>();
     const double bound = i >= 4 ? rtol * scale : 0.0;
     if (i < 4) {
-      EXPECT_TRUE(at::allclose(f, r, rtol, 1e-6)) << context << " " << names[i] << " max abs diff " << err;
+      EXPECT_TRUE(at::allclose(f, r, rtol, 1e-6))
+          << context << " " << names[i] << " max abs diff " << err;
     } else {
       EXPECT_LE(err, bound) << context << " " << names[i];
     }
@@ -109,10 +112,10 @@ struct DtypeShape {
 
 TEST_F(GateGpuTest, MatchesTheCompositeInBothModesAcrossDtypesAndTails) {
   const std::vector<DtypeShape> cases = {
-      {at::kBFloat16, at::kFloat, 1, 8192, 16},  {at::kFloat, at::kFloat, 1, 8192, 16},
-      {at::kBFloat16, at::kFloat, 3, 1001, 16},  {at::kFloat, at::kFloat, 2, 77, 5},
-      {at::kHalf, at::kFloat, 1, 4099, 48},      {at::kBFloat16, at::kBFloat16, 2, 515, 33},
-      {at::kFloat, at::kBFloat16, 1, 1, 1},      {at::kBFloat16, at::kFloat, 4, 16384, 64},
+      {at::kBFloat16, at::kFloat, 1, 8192, 16}, {at::kFloat, at::kFloat, 1, 8192, 16},
+      {at::kBFloat16, at::kFloat, 3, 1001, 16}, {at::kFloat, at::kFloat, 2, 77, 5},
+      {at::kHalf, at::kFloat, 1, 4099, 48},     {at::kBFloat16, at::kBFloat16, 2, 515, 33},
+      {at::kFloat, at::kBFloat16, 1, 1, 1},     {at::kBFloat16, at::kFloat, 4, 16384, 64},
   };
   for (const DtypeShape& c : cases) {
     const Inputs x = make_inputs(c.dim0, c.dim1, c.heads, c.in, c.param);
@@ -156,9 +159,11 @@ TEST_F(GateGpuTest, StridedInputsAndGradientsGiveTheContiguousBits) {
   seq_major.b = x.b.transpose(0, 1).contiguous().transpose(0, 1);
   expect_bitwise_equal(run_fused(seq_major), contiguous, "sequence-major inputs");
   Inputs flat = x;
-  for (at::Tensor* t : {&flat.a, &flat.b, &flat.grad_g, &flat.grad_beta}) *t = t->reshape({B * S, H});
+  for (at::Tensor* t : {&flat.a, &flat.b, &flat.grad_g, &flat.grad_beta})
+    *t = t->reshape({B * S, H});
   const Outputs flat_out = run_fused(flat);
-  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(bitwise_equal(flat_out[i].reshape({B, S, H}), contiguous[i])) << i;
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_TRUE(bitwise_equal(flat_out[i].reshape({B, S, H}), contiguous[i])) << i;
   EXPECT_TRUE(bitwise_equal(flat_out[4], contiguous[4]));
   EXPECT_TRUE(bitwise_equal(flat_out[5], contiguous[5]));
 }
@@ -189,7 +194,8 @@ TEST_F(GateGpuTest, SideStreamWorkMatchesTheDefaultStreamBitForBit) {
 TEST_F(GateGpuTest, OverriddenTilesAreUsedInBothModesAndStayCorrect) {
   const Inputs x = make_inputs(2, 3001, 24, at::kBFloat16, at::kFloat);
   const Outputs ref = run_composite(x);
-  for (const GateTile& tile : {GateTile{32, 16, 128}, GateTile{256, 32, 256}, GateTile{100, 64, 64}}) {
+  for (const GateTile& tile :
+       {GateTile{32, 16, 128}, GateTile{256, 32, 256}, GateTile{100, 64, 64}}) {
     set_pre_gdr_gate_tile_override(tile);
     for (bool deterministic : {false, true}) {
       DeterministicModeGuard mode(deterministic);
@@ -243,7 +249,8 @@ void replay_under_contention(OrderedVariant variant, kernels::GateReduction expe
   });
   int mismatches = 0;
   for (int replay = 0; replay < 200; ++replay) {
-    auto [da, db, dA, ddt] = pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+    auto [da, db, dA, ddt] =
+        pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
     auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
     const Outputs now = {g, beta, da, db, dA, ddt};
     for (size_t i = 0; i < now.size(); ++i) mismatches += bitwise_equal(now[i], first[i]) ? 0 : 1;
@@ -273,7 +280,8 @@ TEST_F(GateGpuTest, BothOrderedVariantsAgreeWithTheComposite) {
     expect_close_to_composite(auto_out, ref, at::kBFloat16, "auto Hv=" + std::to_string(heads));
     if (heads <= kernels::kSinglePassMaxHeads) {
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
-      expect_close_to_composite(run_fused(x), ref, at::kBFloat16, "single-pass Hv=" + std::to_string(heads));
+      expect_close_to_composite(run_fused(x), ref, at::kBFloat16,
+                                "single-pass Hv=" + std::to_string(heads));
       EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass);
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
     }
@@ -316,7 +324,8 @@ TEST_F(GateGpuTest, AutogradBackwardThroughDefaultDispatchTakesTheIntendedPath) 
   for (bool torch_deterministic : {true, false, true}) {
     at::globalContext().setDeterministicAlgorithms(torch_deterministic, false);
     at::Tensor a = x.a.detach().requires_grad_(true), b = x.b.detach().requires_grad_(true);
-    at::Tensor A = x.A_log.detach().requires_grad_(true), dt = x.dt_bias.detach().requires_grad_(true);
+    at::Tensor A = x.A_log.detach().requires_grad_(true),
+               dt = x.dt_bias.detach().requires_grad_(true);
     const int64_t calls_before = pre_gdr_gate_last_backward().calls;
     auto [g, beta] = pre_gdr_gate(a, b, A, dt);
     at::Tensor loss = (g * x.grad_g).sum() + (beta * x.grad_beta).sum();

@@ -28,7 +28,9 @@ TEST(CudaSmoke, GateForwardKernelRunsOnTheCurrentStreamAndMatchesTheCpu) {
   args.dt_bias = dt_d.data_ptr();
   args.g = g.data_ptr<float>();
   args.beta = beta.data_ptr<float>();
-  ASSERT_EQ(gdr::kernels::launch_pre_gdr_gate_forward(args, c10::cuda::getCurrentCUDAStream().stream()), 0);
+  ASSERT_EQ(
+      gdr::kernels::launch_pre_gdr_gate_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
+      0);
 
   const at::Tensor g_host = g.cpu(), beta_host = beta.cpu();
   for (int64_t t = 0; t < tokens; t += 37) {
@@ -36,7 +38,8 @@ TEST(CudaSmoke, GateForwardKernelRunsOnTheCurrentStreamAndMatchesTheCpu) {
       const float pre = a[t][h].item<float>() + dt_bias[h].item<float>();
       const float expect_g = -std::exp(A_log[h].item<float>()) * gdr::kernels::gate_softplus(pre);
       EXPECT_NEAR(g_host[t][h].item<float>(), expect_g, 2e-6f * std::max(1.0f, std::abs(expect_g)));
-      EXPECT_NEAR(beta_host[t][h].item<float>(), gdr::kernels::gate_sigmoid(b[t][h].item<float>()), 1e-6f);
+      EXPECT_NEAR(beta_host[t][h].item<float>(), gdr::kernels::gate_sigmoid(b[t][h].item<float>()),
+                  1e-6f);
     }
   }
 }

@@ -33,5 +33,13 @@ copy_target() {  # label dest_dir
 }
 for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
 for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
+# System libraries of this machine the GPU machine lacks (Debian's Abseil, yaml-cpp).
+mkdir -p .gpu/lib
+for bin in .gpu/tests/*/* .gpu/bench/*/*; do
+  [ -f "$bin" ] && [ -x "$bin" ] || continue
+  ldd "$bin" 2>/dev/null | awk '/libabsl_|libyaml-cpp/ {print $3}' | while read -r lib; do
+    cp -L -n "$lib" .gpu/lib/
+  done
+done
 cp tools/gpu/run_all.sh .gpu/run_all.sh
 du -sh .gpu
