@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -193,17 +194,50 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
 
 int main(int argc, char** argv) {
   bool print_tiles = false;
+  std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
+  std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kFloat};
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0) {
+    const std::string arg = argv[i];
+    if (arg == "--help") {
       std::printf(
-          "usage: pre_gdr_gate_bench [--tiles]\n"
+          "usage: pre_gdr_gate_bench [--tiles] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
-          "  --tiles  also time every candidate tile of the backward in both modes\n");
+          "  --tiles   also time every candidate tile of the backward in both modes (BF16)\n"
+          "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
+          "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;
     }
-    if (std::strcmp(argv[i], "--tiles") == 0) {
+    if (arg == "--tiles") {
       print_tiles = true;
+    } else if (arg.rfind("--shapes=", 0) == 0) {
+      shapes.clear();
+      std::stringstream list(arg.substr(9));
+      std::string item;
+      while (std::getline(list, item, ',')) {
+        long long t = 0, h = 0;
+        if (std::sscanf(item.c_str(), "%lldx%lld", &t, &h) != 2 || t <= 0 || h <= 0) {
+          std::fprintf(stderr, "pre_gdr_gate_bench: --shapes expects TOKENSxHEADS, got '%s'\n",
+                       item.c_str());
+          return 2;
+        }
+        shapes.push_back({t, h});
+      }
+    } else if (arg.rfind("--dtypes=", 0) == 0) {
+      dtypes.clear();
+      std::stringstream list(arg.substr(9));
+      std::string item;
+      while (std::getline(list, item, ',')) {
+        if (item == "bf16") {
+          dtypes.push_back(at::kBFloat16);
+        } else if (item == "f32") {
+          dtypes.push_back(at::kFloat);
+        } else {
+          std::fprintf(stderr, "pre_gdr_gate_bench: --dtypes expects bf16 or f32, got '%s'\n",
+                       item.c_str());
+          return 2;
+        }
+      }
     } else {
       std::fprintf(stderr, "pre_gdr_gate_bench: unknown argument '%s' (see --help)\n", argv[i]);
       return 2;
@@ -217,12 +251,10 @@ int main(int argc, char** argv) {
       prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
   std::printf(
       "| tokens | Hv | dtype | forward | backward atomic [tile] | backward ordered [tile] | "
-      "ordered/atomic | single-pass ordered | ordered backward BW | fused fwd+bwd | composite "
-      "fwd+bwd | "
-      "composite/fused |\n");
+      "ordered/atomic | single-pass ordered | ordered backward BW | fused fwd+bwd | "
+      "composite fwd+bwd | composite/fused |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  const std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
-  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+  for (at::ScalarType dtype : dtypes) {
     for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false);
   }
   if (print_tiles) {

@@ -1,0 +1,39 @@
+// Exchange of Qwen3.5 weights with Hugging Face checkpoints (safetensors, single file or
+// sharded with model.safetensors.index.json), under HF's tensor names.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "models/qwen/model.h"
+
+namespace gdr {
+
+struct HfSaveOptions {
+  // Store in this dtype (e.g. BF16 as HF ships); default: each parameter's own dtype.
+  std::optional<at::ScalarType> dtype;
+  // One model.safetensors up to this many bytes, else HF-style shards + index.
+  int64_t max_shard_bytes = int64_t{5} << 30;
+};
+
+// Writes model.named_parameters() into `dir` (created if missing), atomically per file.
+absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::string& dir,
+                                const HfSaveOptions& options = {});
+
+struct HfLoadReport {
+  int64_t loaded = 0;   // parameters filled
+  int64_t skipped = 0;  // tensors of parts gdr does not model (vision tower, MTP head)
+};
+
+// Fills every parameter of `model` from `path` (a directory, an index JSON, or a
+// .safetensors file). Accepts the multimodal layout (model.language_model.* is read as
+// model.*) and skips model.visual.* and mtp.* tensors; a tied model also ignores
+// lm_head.weight. Floating dtypes are converted to each parameter's dtype; anything else
+// that differs (missing, unexpected, wrong shape, non-float dtype) is an error naming
+// the file and the tensors, and then no parameter is modified.
+absl::StatusOr<HfLoadReport> load_hf_checkpoint(QwenForCausalLMImpl& model,
+                                                const std::string& path);
+
+}  // namespace gdr
