@@ -1,11 +1,15 @@
 // Forward+backward time of the Qwen3.5-0.8B text model on one GPU (BF16, batch 1,
 // sequence 2048) for the `none` and `gate` pre-GDR fusion levels: warm-up, then the
-// median of timed iterations (CUDA events); prints ms per step and tokens/s.
+// median of timed iterations (CUDA events); prints ms per step and tokens/s, then one
+// profiled step per fusion level (PyTorch's Kineto profiler) with the top CUDA kernels.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -53,6 +57,39 @@ int main(int argc, char** argv) {
     const float median = samples[samples.size() / 2];
     std::printf("| %s | %.1f | %.0f |\n", std::string(gdr::pre_gdr_fusion_name(fusion)).c_str(),
                 median, seq / (median * 1e-3));
+  }
+  // Where the time goes: GPU kernel time of one step, aggregated by kernel name.
+  namespace prof = torch::autograd::profiler;
+  for (auto fusion : {gdr::PreGdrFusion::kNone, gdr::PreGdrFusion::kGate}) {
+    model->set_pre_gdr_fusion(fusion);
+    const std::set<torch::profiler::impl::ActivityType> activities = {
+        torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    model->zero_grad();
+    model->loss(ids, ids).backward();
+    cudaDeviceSynchronize();
+    const auto result = prof::disableProfiler();
+    std::map<std::string, std::pair<double, int>> by_kernel;
+    double total_us = 0;
+    for (const auto& event : result->events()) {
+      if (event.deviceType() != c10::DeviceType::CUDA) continue;
+      const double us = event.durationNs() / 1e3;
+      auto& slot = by_kernel[event.name().substr(0, 90)];
+      slot.first += us;
+      slot.second += 1;
+      total_us += us;
+    }
+    std::vector<std::pair<double, std::string>> ranked;
+    for (const auto& [name, v] : by_kernel) ranked.emplace_back(v.first, name);
+    std::sort(ranked.rbegin(), ranked.rend());
+    std::printf("\nTop GPU kernels, fusion %s (GPU busy %.1f ms in one step):\n| kernel | ms | %% | calls |\n|---|---|---|---|\n",
+                std::string(gdr::pre_gdr_fusion_name(fusion)).c_str(), total_us / 1e3);
+    for (size_t i = 0; i < ranked.size() && i < 12; ++i) {
+      std::printf("| %s | %.2f | %.1f | %d |\n", ranked[i].second.c_str(), ranked[i].first / 1e3,
+                  100.0 * ranked[i].first / total_us, by_kernel[ranked[i].second].second);
+    }
   }
   return 0;
 }
