@@ -183,7 +183,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
         "tile %s tokens=%lld heads=%lld %s graph_us atomic=%.2f ordered=%.2f static_cost=%.3f\n",
         kernels::to_string(tile).c_str(), static_cast<long long>(shape.tokens),
         static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
-        kernels::gate_tile_static_cost(tile, gshape));
+        kernels::gate_tile_static_cost(tile, gshape, 2));
   }
   set_pre_gdr_gate_tile_override(std::nullopt);
   std::fflush(stdout);

@@ -67,9 +67,11 @@ std::string validate_gate_tile(const GateTile& tile);
 
 GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateShape& shape);
 
-// The fixed cost rule of deterministic mode: a pure function of the shape (no timing, no
-// device query), so every process picks the same tile. Lower is better.
-double gate_tile_static_cost(const GateTile& tile, const GateShape& shape);
+// The fixed cost rule of deterministic mode: a pure function of the shape and the
+// activation element size (no timing, no device query), so every process picks the same
+// tile. Lower is better.
+double gate_tile_static_cost(const GateTile& tile, const GateShape& shape,
+                             int input_element_bytes = 2);
 
 // Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu).
 constexpr int kReduceSlotsPerBlock = 32;

@@ -56,12 +56,14 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
 // in docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
 //   (1) 256 threads, and 16 head lanes per program (one 32-byte BF16 sector per token
 //       row), or 32 when Hv >= 64 (fewer, wider rows won there);
-//   (2) about kTargetPrograms programs: enough to fill a 132-SM part a few times over
-//       without a long tail of partial rows for the ordered pass (a constant, not a
-//       device query, so the choice is a pure function of the shape);
+//   (2) about 640 programs for 16-bit activations, 448 for FP32 (twice the bytes per
+//       program): enough to fill a 132-SM part a few times over without a long tail of
+//       partial rows for the ordered pass (constants, not a device query, so the choice
+//       is a pure function of the shape and dtype);
 //   (3) ties to the smaller block_t.
-double gate_tile_static_cost(const GateTile& tile, const GateShape& shape) {
-  constexpr double kTargetPrograms = 640.0;
+double gate_tile_static_cost(const GateTile& tile, const GateShape& shape,
+                             int input_element_bytes) {
+  const double kTargetPrograms = input_element_bytes >= 4 ? 448.0 : 640.0;
   const int preferred_block_h = shape.heads >= 64 ? 32 : 16;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, shape);
   double cost = 0.0;

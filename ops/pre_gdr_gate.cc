@@ -203,7 +203,8 @@ OrderedVariant pre_gdr_gate_ordered_variant() {
 
 TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
-    bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms) {
+    bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms,
+    int input_element_bytes) {
   // Token counts are bucketed to the next power of two: nearby lengths share a timing.
   int64_t bucket = 1;
   while (bucket < shape.tokens()) bucket <<= 1;
@@ -212,7 +213,9 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
                           "|device=" + std::to_string(device_index);
   return autotune_configs<kernels::GateTile>(
       kernels::pre_gdr_gate_candidate_tiles(), key, deterministic, pre_gdr_gate_tile_override(),
-      [&](const kernels::GateTile& tile) { return kernels::gate_tile_static_cost(tile, shape); },
+      [&](const kernels::GateTile& tile) {
+        return kernels::gate_tile_static_cost(tile, shape, input_element_bytes);
+      },
       time_ms);
 }
 

@@ -51,7 +51,8 @@ kernels::GateTile parse_gate_tile(const std::string& text, const std::string& so
 // default mode on an autotune-cache miss.
 TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
-    bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms);
+    bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms,
+    int input_element_bytes = 2);
 
 // Which ordered (deterministic) reduction the CUDA backward uses. kAuto = two pass (the
 // faster on the H200); kSinglePass needs Hv <= kernels::kSinglePassMaxHeads and a ticket

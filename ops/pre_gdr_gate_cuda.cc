@@ -137,9 +137,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   at::Tensor accumulator;  // atomic mode only: FP32 [2, Hv]
   if (!ordered) accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
   const TileSelection<kernels::GateTile> selection = select_pre_gdr_gate_tile(
-      args.shape, dtype_key, a.get_device(), ordered, [&](const kernels::GateTile& tile) {
+      args.shape, dtype_key, a.get_device(), ordered,
+      [&](const kernels::GateTile& tile) {
         return time_atomic_backward(args, tile, accumulator.data_ptr<float>(), stream);
-      });
+      },
+      static_cast<int>(a.element_size()));
   const kernels::GateBackwardLaunch launch =
       kernels::derive_gate_backward_launch(selection.config, args.shape);
 

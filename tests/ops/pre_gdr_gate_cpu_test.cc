@@ -170,6 +170,15 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
   }
 }
 
+TEST(GateSelection, Fp32ActivationsAimAtFewerLargerProgramsThanBf16) {
+  // Twice the bytes per element: the rule's program target drops from 640 to 448.
+  const GateShape shape{1, 32768, 48};
+  const GateTile bf16 = select_pre_gdr_gate_tile(shape, "k", 0, true, nullptr, 2).config;
+  const GateTile fp32 = select_pre_gdr_gate_tile(shape, "k", 0, true, nullptr, 4).config;
+  EXPECT_EQ(bf16, (GateTile{128, 16, 256}));
+  EXPECT_EQ(fp32, (GateTile{256, 16, 256}));
+}
+
 TEST(GateTileOverride, ParsesTheEnvironmentFormat) {
   EXPECT_EQ(parse_gate_tile("128x16x256", "GDR_PRE_GDR_GATE_TILE"), (GateTile{128, 16, 256}));
 }
