@@ -3,15 +3,15 @@
 // median of timed iterations (CUDA events); prints ms per step and tokens/s, then one
 // profiled step per fusion level (PyTorch's Kineto profiler) with the top CUDA kernels.
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
-#include <map>
-#include <string>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "models/qwen/config.h"
@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
     model->set_pre_gdr_fusion(fusion);
     const std::set<torch::profiler::impl::ActivityType> activities = {
         torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
-    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const torch::profiler::impl::ProfilerConfig config(
+        torch::profiler::impl::ProfilerState::KINETO);
     prof::prepareProfiler(config, activities);
     prof::enableProfiler(config, activities);
     model->zero_grad();
@@ -84,8 +85,10 @@ int main(int argc, char** argv) {
     std::vector<std::pair<double, std::string>> ranked;
     for (const auto& [name, v] : by_kernel) ranked.emplace_back(v.first, name);
     std::sort(ranked.rbegin(), ranked.rend());
-    std::printf("\nTop GPU kernels, fusion %s (GPU busy %.1f ms in one step):\n| kernel | ms | %% | calls |\n|---|---|---|---|\n",
-                std::string(gdr::pre_gdr_fusion_name(fusion)).c_str(), total_us / 1e3);
+    std::printf(
+        "\nTop GPU kernels, fusion %s (GPU busy %.1f ms in one step):\n| kernel | ms | %% | calls "
+        "|\n|---|---|---|---|\n",
+        std::string(gdr::pre_gdr_fusion_name(fusion)).c_str(), total_us / 1e3);
     for (size_t i = 0; i < ranked.size() && i < 12; ++i) {
       std::printf("| %s | %.2f | %.1f | %d |\n", ranked[i].second.c_str(), ranked[i].first / 1e3,
                   100.0 * ranked[i].first / total_us, by_kernel[ranked[i].second].second);

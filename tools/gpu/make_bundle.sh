@@ -12,13 +12,15 @@ bash tools/setup.sh
 
 mapfile -t tests < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
 mapfile -t benches < <(bazel query --noshow_progress 'kind(cc_binary, //bench/...)' 2>/dev/null)
+# CLIs the GPU runs need: the CUDA trainer and the snapshot comparer.
+mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc_binary, //tools/...)) + //tools:compare_snapshots' 2>/dev/null)
 echo "make_bundle: ${#tests[@]} GPU tests, ${#benches[@]} benchmarks"
 # Static linking of our own libraries keeps the bundle self-contained apart from
 # libtorch/CUDA, which the GPU machine has.
-bazel build --dynamic_mode=off "${tests[@]}" "${benches[@]}"
+bazel build --dynamic_mode=off "${tests[@]}" "${benches[@]}" "${clis[@]}"
 
 rm -rf .gpu
-mkdir -p .gpu/tests .gpu/bench
+mkdir -p .gpu/tests .gpu/bench .gpu/tools
 copy_target() {  # label dest_dir
   local label=$1 dest=$2
   local pkg=${label#//}; pkg=${pkg%%:*}
@@ -33,9 +35,11 @@ copy_target() {  # label dest_dir
 }
 for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
 for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
+for c in "${clis[@]}"; do copy_target "$c" .gpu/tools; done
+cp tools/state_equality_check.sh bench/step_timing_paired.sh .gpu/
 # System libraries of this machine the GPU machine lacks (Debian's Abseil, yaml-cpp).
 mkdir -p .gpu/lib
-for bin in .gpu/tests/*/* .gpu/bench/*/*; do
+for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
   ldd "$bin" 2>/dev/null | awk '/libabsl_|libyaml-cpp/ {print $3}' | while read -r lib; do
     cp -L -n "$lib" .gpu/lib/

@@ -1,0 +1,79 @@
+// Training batches of token ids: fixed-length windows over one token stream, visited in a
+// seeded, shuffled order that a checkpoint can save and restore exactly.
+//
+// The stream is either the embedded corpus (data.source: embedded; every byte of the text
+// file is one token, id 0..255) or a Megatron indexed dataset (data.source: indexed; all
+// sequences concatenated in file order, no separator tokens inserted).
+//
+// Windows: window i is tokens [i * seq_len, i * seq_len + seq_len + 1), i.e. seq_len + 1
+// tokens so that seq_len next-token predictions fit, consecutive windows sharing one
+// boundary token; there are (num_tokens - 1) / seq_len of them (the tail is dropped).
+//
+// Order: epoch e visits every window once, in a permutation drawn by Fisher-Yates from a
+// SplitMix64 stream: state = seed * 0x9E3779B97F4A7C15 ^ e, one draw discarded, then for
+// i = n-1 .. 1 swap order[i] with order[(r * (i + 1)) >> 64] (r the next 64-bit draw).
+// Fully specified, so the same on every platform and standard library (std::shuffle is
+// not); tests/gdr/data_test.cc pins it against an independent transcription. A DataPosition {epoch,
+// index} names the next window to read, so restoring it continues the exact sequence of batches; a
+// batch that runs past the end of an epoch continues into the next one.
+//
+// Torch-free: batches are plain int64 vectors, row-major [batch, seq_len + 1].
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gdr/run_config.h"
+
+namespace gdr {
+
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t index = 0;  // into the epoch's order
+
+  bool operator==(const DataPosition& o) const { return epoch == o.epoch && index == o.index; }
+  bool operator!=(const DataPosition& o) const { return !(*this == o); }
+};
+
+class TokenWindows {
+ public:
+  // Reads the source named by `config`. InvalidArgument when it holds fewer than
+  // seq_len + 1 tokens, or (embedded) a token outside 0..255 cannot occur; errors of the
+  // readers (NotFound, DataLoss) pass through with the file named.
+  static absl::StatusOr<TokenWindows> open(const DataConfig& config, uint64_t seed);
+  // The same over an in-memory stream (tests, tools).
+  static absl::StatusOr<TokenWindows> from_tokens(std::vector<int64_t> tokens, int64_t seq_len,
+                                                  uint64_t seed);
+
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  int64_t num_windows() const { return num_windows_; }
+  int64_t seq_len() const { return seq_len_; }
+  int64_t window_length() const { return seq_len_ + 1; }
+
+  // The window order of `epoch` (a permutation of 0 .. num_windows() - 1).
+  std::vector<int64_t> epoch_order(int64_t epoch) const;
+
+  // `batch_size` windows, row-major [batch_size, seq_len + 1], and the position advanced.
+  std::vector<int64_t> next_batch(int64_t batch_size);
+
+  const DataPosition& position() const { return position_; }
+  // InvalidArgument unless epoch >= 0 and 0 <= index < num_windows().
+  absl::Status set_position(const DataPosition& position);
+
+ private:
+  TokenWindows(std::vector<int64_t> tokens, int64_t seq_len, uint64_t seed);
+  const std::vector<int64_t>& order_of_current_epoch();
+
+  std::vector<int64_t> tokens_;
+  int64_t seq_len_ = 0;
+  int64_t num_windows_ = 0;
+  uint64_t seed_ = 0;
+  DataPosition position_;
+  int64_t cached_epoch_ = -1;
+  std::vector<int64_t> cached_order_;
+};
+
+}  // namespace gdr

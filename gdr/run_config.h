@@ -1,0 +1,122 @@
+// RunConfig: everything a training run needs, loaded from one YAML file.
+//
+// Layout (every section but `model:` is ours; `model:` is read by load_qwen_config_yaml in
+// models/qwen/config.h, so the model keys and their messages are exactly the model's):
+//   model:      QwenConfig keys (deterministic_mode lives here).
+//   data:       source: embedded | indexed
+//               path: text file for `embedded` (default data/corpus.txt, byte tokens 0..255)
+//               prefix: Megatron .bin/.idx prefix for `indexed`
+//               seq_len, micro_batch_size
+//   optimizer:  lr, betas: [b1, b2], eps, weight_decay, grad_clip (<= 0: no clipping)
+//   schedule:   warmup_steps, total_steps (0: = train.steps), min_lr_ratio (cosine floor)
+//   train:      steps, grad_accum (microbatches per optimizer step), seed, dtype: fp32 | bf16,
+//               device: cpu | cuda, log_every, metrics_path (JSON lines, "" = none),
+//               checkpoint_dir ("" = none), checkpoint_every (0 = only at the end),
+//               snapshot_dir ("" = none; a state snapshot after every step),
+//               on_nonfinite: stop | skip,
+//               num_threads (ATen intra-op threads; 0 = ATen's default, one per core)
+// Every section is optional except `model:`; a missing key keeps its default below.
+//
+// Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message is
+// "<file>: <section>.<key>: <what is wrong>", the same shape as the model loader's, e.g.
+//   "configs/x.yaml: train.steps: expected an integer but got 'many'"
+//   "configs/x.yaml: train.stepz: unknown key"
+//
+// Overrides: `--set=train.steps=5` sets one key by its dotted path before parsing. The value
+// is parsed as a YAML scalar (or flow list) and typed by the key's schema, so a wrong type
+// gives the same message as in the file. A path naming no known key is an error
+// "--set train.stepz=5: train.stepz: unknown key".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "models/qwen/config.h"
+
+namespace gdr {
+
+enum class DataSource { kEmbedded, kIndexed };
+enum class TrainDtype { kFloat32, kBFloat16 };
+enum class TrainDevice { kCpu, kCuda };
+enum class OnNonfinite { kStop, kSkip };
+
+struct DataConfig {
+  DataSource source = DataSource::kEmbedded;
+  std::string path = "data/corpus.txt";
+  std::string prefix;
+  int64_t seq_len = 64;
+  int64_t micro_batch_size = 4;
+};
+
+struct OptimizerConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+};
+
+struct ScheduleConfig {
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;  // 0: train.steps
+  double min_lr_ratio = 0.1;
+};
+
+struct TrainConfig {
+  int64_t steps = 10;
+  int64_t grad_accum = 1;
+  int64_t seed = 1234;
+  TrainDtype dtype = TrainDtype::kFloat32;
+  TrainDevice device = TrainDevice::kCpu;
+  int64_t log_every = 1;
+  std::string metrics_path;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  std::string snapshot_dir;
+  OnNonfinite on_nonfinite = OnNonfinite::kStop;
+  int64_t num_threads = 0;
+};
+
+struct RunConfig {
+  QwenConfig model;
+  DataConfig data;
+  OptimizerConfig optimizer;
+  ScheduleConfig schedule;
+  TrainConfig train;
+  std::string source;       // the file it came from
+  std::string config_text;  // the effective YAML (overrides applied), kept in checkpoints
+
+  int64_t schedule_total_steps() const {
+    return schedule.total_steps > 0 ? schedule.total_steps : train.steps;
+  }
+};
+
+// One `--set` override: "section.key=value".
+struct ConfigOverride {
+  std::string path;   // "train.steps"
+  std::string value;  // "5"
+};
+
+// Splits "train.steps=5"; InvalidArgument naming the text when there is no '=' or no
+// "section.key" before it.
+absl::StatusOr<ConfigOverride> parse_config_override(const std::string& text);
+
+absl::StatusOr<RunConfig> load_run_config(const std::string& path,
+                                          const std::vector<ConfigOverride>& overrides = {});
+
+absl::string_view train_dtype_name(TrainDtype dtype);
+
+// The dotted keys whose values differ between the config a checkpoint was written with
+// (`saved_config_text`, RunConfig::config_text of that run; `saved_source` names it in
+// errors) and `current`, leaving out what a resumed run may change without changing what
+// its steps compute: train.steps (unless it moves the schedule's end), log_every,
+// metrics_path, checkpoint_dir, checkpoint_every, snapshot_dir, on_nonfinite. Model keys
+// are compared as written. Empty when the resumed run continues the same computation.
+absl::StatusOr<std::vector<std::string>> resume_config_differences(
+    const std::string& saved_config_text, const std::string& saved_source,
+    const RunConfig& current);
+
+}  // namespace gdr

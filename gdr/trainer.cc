@@ -1,0 +1,467 @@
+#include "gdr/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "io/file_util.h"
+#include "models/qwen/deterministic_mode.h"
+#include "models/qwen/model.h"
+
+namespace gdr {
+namespace {
+
+std::string hex_encode(const at::Tensor& bytes) {
+  const at::Tensor b = bytes.contiguous();
+  const uint8_t* p = b.data_ptr<uint8_t>();
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * b.numel());
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    out.push_back(kHex[p[i] >> 4]);
+    out.push_back(kHex[p[i] & 0xf]);
+  }
+  return out;
+}
+
+absl::StatusOr<at::Tensor> hex_decode(const std::string& hex) {
+  if (hex.size() % 2 != 0) return absl::DataLossError("rng_cpu: odd number of hex digits");
+  at::Tensor out = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
+  uint8_t* p = out.data_ptr<uint8_t>();
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = digit(hex[i]), lo = digit(hex[i + 1]);
+    if (hi < 0 || lo < 0) return absl::DataLossError("rng_cpu: not lower-case hex");
+    p[i / 2] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return out;
+}
+
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+// The default CPU generator starts from a nondeterministic seed in every process: seed it
+// from train.seed so the RNG state, too, is a function of the config.
+void seed_cpu_rng(uint64_t seed) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
+
+void set_cpu_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+double learning_rate_at(const RunConfig& config, int64_t step) {
+  const double peak = config.optimizer.lr;
+  const int64_t warmup = config.schedule.warmup_steps;
+  if (warmup > 0 && step <= warmup) return peak * static_cast<double>(step) / warmup;
+  const double floor = peak * config.schedule.min_lr_ratio;
+  const int64_t decay_steps = config.schedule_total_steps() - warmup;
+  if (decay_steps <= 0) return floor;
+  const double progress = std::min(1.0, static_cast<double>(step - warmup) / decay_steps);
+  return floor + 0.5 * (peak - floor) * (1.0 + std::cos(M_PI * progress));
+}
+
+std::string format_progress_line(const StepStats& s, int64_t total_steps) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf),
+                "step %lld/%lld loss %.4f lr %.2e grad_norm %.2f tokens/s %.0f step_time %.3fs%s",
+                static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr,
+                s.grad_norm, s.tokens_per_s, s.step_time_s,
+                s.skipped ? " (skipped: non-finite)" : "");
+  return buf;
+}
+
+struct Trainer::Impl {
+  RunConfig config;
+  TokenWindows data;
+  QwenForCausalLM model{nullptr};
+  at::Device device{at::kCPU};
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;   // the model's, in names order
+  std::vector<at::Tensor> masters;  // FP32; the same tensors as params for fp32
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  int64_t step = 0;
+  // Kept from the last step for snapshots.
+  std::vector<at::Tensor> last_grads;
+  std::vector<double> last_losses;
+
+  bool mixed() const { return config.train.dtype == TrainDtype::kBFloat16; }
+
+  torch::optim::AdamWParamState* adam_state(const at::Tensor& master) const {
+    auto it = optimizer->state().find(master.unsafeGetTensorImpl());
+    if (it == optimizer->state().end()) return nullptr;
+    return static_cast<torch::optim::AdamWParamState*>(it->second.get());
+  }
+};
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::~Trainer() = default;
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config) {
+  if (absl::Status s = apply_deterministic_mode(config.model); !s.ok()) return s;
+  at::Device device(at::kCPU);
+  if (config.train.device == TrainDevice::kCuda) {
+    if (!at::hasCUDA()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          config.source, ": train.device: cuda requested but no CUDA device is available"));
+    }
+    device = at::Device(at::kCUDA);
+  }
+  seed_cpu_rng(static_cast<uint64_t>(config.train.seed));
+  if (config.train.num_threads > 0) at::set_num_threads(static_cast<int>(config.train.num_threads));
+  absl::StatusOr<TokenWindows> data =
+      TokenWindows::open(config.data, static_cast<uint64_t>(config.train.seed));
+  if (!data.ok()) return data.status();
+
+  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data)});
+  impl->device = device;
+  try {
+    impl->model = QwenForCausalLM(config.model);
+    init_qwen_weights(*impl->model, static_cast<uint64_t>(config.train.seed));
+    impl->model->to(device, impl->mixed() ? at::kBFloat16 : at::kFloat);
+    for (const auto& item : impl->model->named_parameters()) {
+      impl->names.push_back(item.key());
+      impl->params.push_back(item.value());
+      impl->masters.push_back(impl->mixed() ? item.value().detach().to(at::kFloat).clone()
+                                            : item.value());
+    }
+    torch::optim::AdamWOptions options(config.optimizer.lr);
+    options.betas({config.optimizer.beta1, config.optimizer.beta2})
+        .eps(config.optimizer.eps)
+        .weight_decay(config.optimizer.weight_decay);
+    impl->optimizer = std::make_unique<torch::optim::AdamW>(impl->masters, options);
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config.source, ": ", e.what_without_backtrace()));
+  }
+  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+}
+
+absl::StatusOr<StepStats> Trainer::train_step() {
+  // Torch reports failures (e.g. an op with no deterministic path in deterministic mode)
+  // as exceptions; they become errors naming the step.
+  try {
+    return train_step_or_throw();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("step ", impl_->step + 1, ": ", e.what_without_backtrace()));
+  }
+}
+
+absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
+  Impl& m = *impl_;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t accum = m.config.train.grad_accum;
+  const int64_t batch = m.config.data.micro_batch_size;
+  const int64_t window = m.data.window_length();
+  StepStats stats;
+  stats.step = m.step + 1;
+  for (at::Tensor& p : m.params) p.mutable_grad().reset();
+  for (at::Tensor& p : m.masters) p.mutable_grad().reset();
+
+  for (int64_t micro = 0; micro < accum; ++micro) {
+    std::vector<int64_t> tokens = m.data.next_batch(batch);
+    const at::Tensor ids = at::tensor(tokens, at::kLong).reshape({batch, window}).to(m.device);
+    const at::Tensor loss = m.model->loss(ids, ids);
+    (loss / static_cast<double>(accum)).backward();
+    stats.microbatch_losses.push_back(loss.item<double>());
+    stats.tokens += batch * (window - 1);
+  }
+  if (m.mixed()) {
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      m.masters[i].mutable_grad() = m.params[i].grad().to(at::kFloat);
+    }
+  }
+  // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order.
+  std::vector<at::Tensor> norms;
+  for (const at::Tensor& p : m.masters) norms.push_back(p.grad().norm());
+  stats.grad_norm = at::stack(norms).norm().item<double>();
+  double loss_sum = 0;
+  for (double l : stats.microbatch_losses) loss_sum += l;
+  stats.loss = loss_sum / static_cast<double>(accum);
+  stats.lr = learning_rate_at(m.config, stats.step);
+
+  std::string nonfinite;
+  for (size_t i = 0; i < stats.microbatch_losses.size(); ++i) {
+    if (!std::isfinite(stats.microbatch_losses[i]) && nonfinite.empty()) {
+      nonfinite = absl::StrCat("non-finite loss ", stats.microbatch_losses[i], " in microbatch ",
+                               i + 1, " of ", accum);
+    }
+  }
+  if (nonfinite.empty() && !std::isfinite(stats.grad_norm)) {
+    nonfinite = absl::StrCat("non-finite gradient norm ", stats.grad_norm);
+  }
+  if (!nonfinite.empty() && m.config.train.on_nonfinite == OnNonfinite::kStop) {
+    return absl::AbortedError(absl::StrCat("step ", stats.step, ": ", nonfinite,
+                                           "; stopping (train.on_nonfinite: stop)"));
+  }
+
+  const double clip = m.config.optimizer.grad_clip;
+  if (nonfinite.empty() && clip > 0) {
+    // One scale factor computed on the host: the same bits however the grads are laid out.
+    const double coef = clip / (stats.grad_norm + 1e-6);
+    if (coef < 1.0) {
+      for (at::Tensor& p : m.masters) p.mutable_grad().mul_(coef);
+    }
+  }
+  m.last_grads.clear();
+  for (const at::Tensor& p : m.masters) m.last_grads.push_back(p.grad().detach().clone());
+  m.last_losses = stats.microbatch_losses;
+
+  if (nonfinite.empty()) {
+    for (auto& group : m.optimizer->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
+    }
+    m.optimizer->step();
+    if (m.mixed()) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < m.params.size(); ++i) m.params[i].copy_(m.masters[i]);
+    }
+  } else {
+    stats.skipped = true;
+  }
+  for (at::Tensor& p : m.params) p.mutable_grad().reset();
+  for (at::Tensor& p : m.masters) p.mutable_grad().reset();
+  m.step = stats.step;
+  stats.step_time_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.tokens_per_s = stats.step_time_s > 0 ? stats.tokens / stats.step_time_s : 0;
+  return stats;
+}
+
+io::NamedTensors Trainer::master_parameters() const {
+  io::NamedTensors out;
+  for (size_t i = 0; i < impl_->names.size(); ++i) {
+    out.emplace_back(impl_->names[i], impl_->masters[i].detach());
+  }
+  return out;
+}
+
+io::NamedTensors Trainer::optimizer_tensors() const {
+  io::NamedTensors out;
+  for (size_t i = 0; i < impl_->names.size(); ++i) {
+    const torch::optim::AdamWParamState* st = impl_->adam_state(impl_->masters[i]);
+    if (st == nullptr) continue;
+    const std::string& name = impl_->names[i];
+    out.emplace_back(name + ".exp_avg", st->exp_avg());
+    out.emplace_back(name + ".exp_avg_sq", st->exp_avg_sq());
+    out.emplace_back(name + ".step", at::scalar_tensor(st->step(), at::kLong));
+  }
+  return out;
+}
+
+Checkpoint Trainer::capture() const {
+  Checkpoint c;
+  c.model = master_parameters();
+  c.optimizer = optimizer_tensors();
+  c.state.step = impl_->step;
+  c.state.data_position = impl_->data.position();
+  c.state.rng_cpu_hex = hex_encode(cpu_rng_state());
+  c.state.config_text = impl_->config.config_text;
+  return c;
+}
+
+absl::Status Trainer::save_checkpoint(const std::string& step_dir) const {
+  return write_checkpoint(step_dir, capture());
+}
+
+absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
+  absl::StatusOr<std::string> step_dir = resolve_checkpoint_dir(dir);
+  if (!step_dir.ok()) return step_dir.status();
+  absl::StatusOr<Checkpoint> ckpt = read_checkpoint(*step_dir);
+  if (!ckpt.ok()) return ckpt.status();
+  Impl& m = *impl_;
+  if (!allow_config_change) {
+    absl::StatusOr<std::vector<std::string>> differing = resume_config_differences(
+        ckpt->state.config_text, *step_dir + "/state.json: config", m.config);
+    if (!differing.ok()) return differing.status();
+    if (!differing->empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          *step_dir, ": the checkpoint was written with a different config (",
+          absl::StrJoin(*differing, ", "),
+          "); resuming would not continue the same run (allow_config_change overrides this)"));
+    }
+  }
+  if (absl::Status s =
+          io::check_tensor_specs(io::specs_of(ckpt->model), io::specs_of(master_parameters()),
+                                 *step_dir + "/model.safetensors");
+      !s.ok()) {
+    return s;
+  }
+  // Validate everything first, then change state: a refused checkpoint leaves the trainer
+  // as it was.
+  std::map<std::string, at::Tensor> weights, opt;
+  for (auto& [name, t] : ckpt->model) weights[name] = t;
+  for (auto& [name, t] : ckpt->optimizer) opt[name] = t;
+  absl::StatusOr<at::Tensor> rng = hex_decode(ckpt->state.rng_cpu_hex);
+  if (!rng.ok()) return rng.status();
+  if (rng->numel() != cpu_rng_state().numel()) {
+    return absl::DataLossError(absl::StrCat(*step_dir, "/state.json: rng_cpu: expected ",
+                                            cpu_rng_state().numel(), " bytes but got ",
+                                            rng->numel()));
+  }
+  if (ckpt->state.data_position.index >= m.data.num_windows() ||
+      ckpt->state.data_position.index < 0 || ckpt->state.data_position.epoch < 0) {
+    return absl::DataLossError(
+        absl::StrCat(*step_dir, "/state.json: data_position {epoch ",
+                     ckpt->state.data_position.epoch, ", index ", ckpt->state.data_position.index,
+                     "} is outside the data set (", m.data.num_windows(), " windows per epoch)"));
+  }
+  std::vector<std::unique_ptr<torch::optim::AdamWParamState>> states(m.names.size());
+  for (size_t i = 0; i < m.names.size(); ++i) {
+    const std::string& name = m.names[i];
+    const auto avg = opt.find(name + ".exp_avg");
+    if (avg == opt.end()) continue;  // saved before the first step
+    const auto sq = opt.find(name + ".exp_avg_sq");
+    const auto step = opt.find(name + ".step");
+    if (sq == opt.end() || step == opt.end() || avg->second.sizes() != m.masters[i].sizes() ||
+        sq->second.sizes() != m.masters[i].sizes() || avg->second.scalar_type() != at::kFloat ||
+        sq->second.scalar_type() != at::kFloat || step->second.numel() != 1) {
+      return absl::DataLossError(absl::StrCat(*step_dir, "/optimizer.safetensors: ", name,
+                                              ": expected FP32 exp_avg and exp_avg_sq shaped "
+                                              "like the parameter and a scalar step"));
+    }
+    states[i] = std::make_unique<torch::optim::AdamWParamState>();
+    states[i]->step(step->second.item<int64_t>());
+    states[i]->exp_avg(avg->second.to(m.device).clone());
+    states[i]->exp_avg_sq(sq->second.to(m.device).clone());
+  }
+
+  at::NoGradGuard no_grad;
+  m.optimizer->state().clear();
+  for (size_t i = 0; i < m.names.size(); ++i) {
+    m.masters[i].copy_(weights.at(m.names[i]));
+    if (m.mixed()) m.params[i].copy_(m.masters[i]);
+    if (states[i] != nullptr) {
+      m.optimizer->state()[m.masters[i].unsafeGetTensorImpl()] = std::move(states[i]);
+    }
+  }
+  if (absl::Status s = m.data.set_position(ckpt->state.data_position); !s.ok()) return s;
+  try {
+    set_cpu_rng_state(*rng);
+  } catch (const c10::Error& e) {
+    return absl::DataLossError(
+        absl::StrCat(*step_dir, "/state.json: rng_cpu: ", e.what_without_backtrace()));
+  }
+  m.step = ckpt->state.step;
+  return absl::OkStatus();
+}
+
+// Note [State snapshots]: the evidence the state-equality protocol compares (see
+// /work/shared/design/determinism.md). After step N, snapshot_dir/step_N/ holds
+//   snapshot.safetensors: "loss/microbatch" F32 [M] and "loss/mean" F32 [] (the step's
+//     losses), "param/<name>" FP32 masters after the step, "grad/<name>" the FP32 gradients
+//     the optimizer consumed (accumulated over the microbatches, after clipping),
+//     "adam/<name>.exp_avg|exp_avg_sq|step" after the step, "rng/cpu" U8 generator state,
+//     "data/position" I64 [2] = {epoch, index} of the next window;
+//   snapshot.json: step, losses and data position as text for people to read.
+// Nothing time-dependent is written, so equal runs give byte-equal directories.
+absl::Status Trainer::write_snapshot(const std::string& dir) const {
+  const Impl& m = *impl_;
+  io::NamedTensors tensors;
+  std::vector<float> losses(m.last_losses.begin(), m.last_losses.end());
+  double sum = 0;
+  for (double l : m.last_losses) sum += l;
+  tensors.emplace_back("loss/microbatch", at::tensor(losses, at::kFloat));
+  tensors.emplace_back("loss/mean",
+                       at::scalar_tensor(sum / std::max<size_t>(1, losses.size()), at::kFloat));
+  for (auto& [name, t] : master_parameters()) tensors.emplace_back("param/" + name, t);
+  for (size_t i = 0; i < m.last_grads.size(); ++i) {
+    tensors.emplace_back("grad/" + m.names[i], m.last_grads[i]);
+  }
+  for (auto& [name, t] : optimizer_tensors()) tensors.emplace_back("adam/" + name, t);
+  tensors.emplace_back("rng/cpu", cpu_rng_state());
+  tensors.emplace_back("data/position", at::tensor(std::vector<int64_t>{m.data.position().epoch,
+                                                                        m.data.position().index},
+                                                   at::kLong));
+  const std::string step_dir = io::join_path(dir, absl::StrCat("step_", m.step));
+  std::error_code ec;
+  std::filesystem::create_directories(step_dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(step_dir, ": ", ec.message()));
+  if (absl::Status s =
+          io::write_safetensors(io::join_path(step_dir, "snapshot.safetensors"), tensors);
+      !s.ok()) {
+    return s;
+  }
+  nlohmann::ordered_json json = {
+      {"step", m.step},
+      {"microbatch_losses", m.last_losses},
+      {"data_position", {{"epoch", m.data.position().epoch}, {"index", m.data.position().index}}},
+  };
+  return io::write_file_atomically(io::join_path(step_dir, "snapshot.json"), json.dump(2) + "\n");
+}
+
+absl::Status Trainer::run(std::ostream& log) {
+  const TrainConfig& tc = impl_->config.train;
+  std::ofstream metrics;
+  if (!tc.metrics_path.empty()) {
+    const std::string parent = io::dirname_of(tc.metrics_path);
+    std::error_code ec;
+    std::filesystem::create_directories(parent, ec);
+    metrics.open(tc.metrics_path, std::ios::app);
+    if (!metrics) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(tc.metrics_path, ": cannot open the metrics file for appending"));
+    }
+  }
+  while (impl_->step < tc.steps) {
+    absl::StatusOr<StepStats> stats = train_step();
+    if (!stats.ok()) return stats.status();
+    if (stats->step % tc.log_every == 0 || stats->step == tc.steps) {
+      log << format_progress_line(*stats, tc.steps) << std::endl;
+    }
+    if (metrics.is_open()) {
+      nlohmann::ordered_json line = {
+          {"step", stats->step},
+          {"loss", stats->loss},
+          {"microbatch_losses", stats->microbatch_losses},
+          {"lr", stats->lr},
+          {"grad_norm", stats->grad_norm},
+          {"tokens", stats->tokens},
+          {"tokens_per_s", stats->tokens_per_s},
+          {"step_time_s", stats->step_time_s},
+          {"skipped", stats->skipped},
+      };
+      metrics << line.dump() << "\n" << std::flush;
+    }
+    if (!tc.snapshot_dir.empty()) {
+      if (absl::Status s = write_snapshot(tc.snapshot_dir); !s.ok()) return s;
+    }
+    const bool periodic = tc.checkpoint_every > 0 && stats->step % tc.checkpoint_every == 0;
+    if (!tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
+      const std::string dir = checkpoint_step_dir(tc.checkpoint_dir, stats->step);
+      if (absl::Status s = save_checkpoint(dir); !s.ok()) return s;
+      log << "checkpoint " << dir << std::endl;
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t Trainer::step() const { return impl_->step; }
+const DataPosition& Trainer::data_position() const { return impl_->data.position(); }
+const RunConfig& Trainer::config() const { return impl_->config; }
+QwenForCausalLMImpl& Trainer::model() { return *impl_->model; }
+
+}  // namespace gdr

@@ -1,0 +1,114 @@
+// Trainer: builds the model and optimizer from a RunConfig and runs the training loop.
+//
+// One optimizer step (train_step):
+//   for m in 1..M (M = train.grad_accum): take data.micro_batch_size windows of seq_len + 1
+//     tokens, loss_m = causal_lm_loss(model(window), window) (seq_len next-token predictions
+//     per window, see models/qwen/model.h), backward of loss_m / M;
+//   grad_norm = global L2 norm of all gradients; clip to optimizer.grad_clip (when > 0) by
+//     one host-side scale factor;
+//   NaN/Inf in any loss_m or in grad_norm: stop with an error naming the step
+//     (on_nonfinite: stop), or drop the gradients and count the step as skipped (skip);
+//   lr from the schedule (learning_rate_at), torch::optim::AdamW step on the FP32 masters
+//     (decoupled weight decay on every parameter, norms and embedding included: one param
+//     group, as in the simplest reference setups).
+//
+// Note [Master weights]: the optimizer always holds FP32 parameters ("masters") and FP32
+// exp_avg / exp_avg_sq. With train.dtype fp32 the model's parameters are the masters.
+// With bf16 the model runs in BF16 (parameters and activations; the loss is FP32 inside
+// causal_lm_loss), its gradients are widened to FP32 into the masters' .grad, AdamW updates
+// the masters, and the masters are rounded back into the BF16 model after every step.
+// Checkpoints store the masters, so resuming loses nothing to rounding.
+//
+// Determinism: with model.deterministic_mode the trainer calls apply_deterministic_mode()
+// before building anything. Everything that decides a step's result is then a function of
+// (config, seed, data, checkpoint): init from init_qwen_weights(seed), the data order from
+// TokenWindows, the clip factor computed on the host. The default CPU generator is seeded
+// from train.seed (it starts nondeterministic in every process); its state is saved and
+// restored although no current op draws from it (no dropout), so a future one stays exact.
+// CPU reductions in ATen split work by thread count: bit-exactness holds for the same
+// binary with the same number of threads (pin it with train.num_threads to compare runs
+// across machines).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gdr/checkpoint.h"
+#include "gdr/data.h"
+#include "gdr/run_config.h"
+#include "io/safetensors.h"
+
+namespace gdr {
+
+class QwenForCausalLMImpl;
+
+struct StepStats {
+  int64_t step = 0;  // 1-based number of the step just taken
+  std::vector<double> microbatch_losses;
+  double loss = 0;  // mean of microbatch_losses
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // predicted tokens in this step
+  double step_time_s = 0;
+  double tokens_per_s = 0;
+  bool skipped = false;
+};
+
+// Linear warm-up to optimizer.lr over schedule.warmup_steps, then cosine decay to
+// lr * min_lr_ratio at schedule_total_steps(); constant at the floor afterwards.
+// `step` is 1-based.
+double learning_rate_at(const RunConfig& config, int64_t step);
+
+// "step 3/20 loss 4.1234 lr 1.00e-03 grad_norm 1.23 tokens/s 12345 step_time 0.123s"
+std::string format_progress_line(const StepStats& stats, int64_t total_steps);
+
+class Trainer {
+ public:
+  // Applies deterministic mode, opens the data, builds and initialises the model.
+  static absl::StatusOr<std::unique_ptr<Trainer>> create(const RunConfig& config);
+  ~Trainer();
+
+  // Loads a checkpoint: `dir` is a step directory or a checkpoint_dir (its latest complete
+  // step). See read_checkpoint for the refusals. A checkpoint written under a config that
+  // computes differently (resume_config_differences in gdr/run_config.h) is refused with
+  // FailedPrecondition naming the keys, unless `allow_config_change`.
+  absl::Status resume(const std::string& dir, bool allow_config_change = false);
+
+  // One optimizer step (see the header comment). Snapshot data of the step is kept for
+  // write_snapshot.
+  absl::StatusOr<StepStats> train_step();
+
+  // Steps until train.steps, printing progress every log_every steps to `log`, appending
+  // metrics, writing checkpoints (every checkpoint_every steps and after the last step)
+  // and snapshots as configured.
+  absl::Status run(std::ostream& log);
+
+  // The state as a checkpoint, and writing it to `step_dir`.
+  Checkpoint capture() const;
+  absl::Status save_checkpoint(const std::string& step_dir) const;
+
+  // A state snapshot of the last step (Note [State snapshots] in trainer.cc) in
+  // `dir`/step_<N>/: snapshot.safetensors + snapshot.json.
+  absl::Status write_snapshot(const std::string& dir) const;
+
+  int64_t step() const;
+  const DataPosition& data_position() const;
+  const RunConfig& config() const;
+  // FP32 masters under HF names, and "<name>.exp_avg|exp_avg_sq|step" optimizer tensors.
+  io::NamedTensors master_parameters() const;
+  io::NamedTensors optimizer_tensors() const;
+  QwenForCausalLMImpl& model();
+
+ private:
+  struct Impl;
+  explicit Trainer(std::unique_ptr<Impl> impl);
+  absl::StatusOr<StepStats> train_step_or_throw();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gdr

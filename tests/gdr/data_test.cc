@@ -1,0 +1,117 @@
+// Token windows: contents, seeded order, epoch wrap, and position save/restore.
+#include "gdr/data.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+
+#include "io/indexed_dataset.h"
+
+namespace gdr {
+namespace {
+
+std::vector<int64_t> iota_tokens(int64_t n) {
+  std::vector<int64_t> t(n);
+  std::iota(t.begin(), t.end(), 1000);
+  return t;
+}
+
+TEST(DataTest, WindowsAreContiguousSlicesSharingOneBoundaryToken) {
+  absl::StatusOr<TokenWindows> w = TokenWindows::from_tokens(iota_tokens(41), 8, 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->num_windows(), 5);  // (41 - 1) / 8
+  EXPECT_EQ(w->window_length(), 9);
+  const std::vector<int64_t> order = w->epoch_order(0);
+  const std::vector<int64_t> batch = w->next_batch(2);
+  ASSERT_EQ(batch.size(), 18u);
+  for (int b = 0; b < 2; ++b) {
+    for (int t = 0; t < 9; ++t) EXPECT_EQ(batch[b * 9 + t], 1000 + order[b] * 8 + t);
+  }
+  EXPECT_EQ(w->position(), (DataPosition{0, 2}));
+}
+
+TEST(DataTest, EachEpochIsASeededPermutation) {
+  absl::StatusOr<TokenWindows> a = TokenWindows::from_tokens(iota_tokens(1001), 10, 42);
+  absl::StatusOr<TokenWindows> b = TokenWindows::from_tokens(iota_tokens(1001), 10, 42);
+  absl::StatusOr<TokenWindows> c = TokenWindows::from_tokens(iota_tokens(1001), 10, 43);
+  std::vector<int64_t> sorted = a->epoch_order(0);
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(sorted[i], i);
+  EXPECT_EQ(a->epoch_order(0), b->epoch_order(0));
+  EXPECT_NE(a->epoch_order(0), a->epoch_order(1));
+  EXPECT_NE(a->epoch_order(0), c->epoch_order(0));
+  // Pinned: the order is part of the determinism promise across builds and platforms.
+  // Independent check: these values come from a Python transcription of SplitMix64 +
+  // Fisher-Yates as documented in gdr/data.h, not from this code.
+  const std::vector<int64_t> first = a->epoch_order(0);
+  EXPECT_EQ(std::vector<int64_t>(first.begin(), first.begin() + 8),
+            (std::vector<int64_t>{31, 43, 52, 0, 67, 71, 63, 46}));
+}
+
+TEST(DataTest, BatchesRunIntoTheNextEpoch) {
+  absl::StatusOr<TokenWindows> w = TokenWindows::from_tokens(iota_tokens(25), 8, 5);  // 3 windows
+  const std::vector<int64_t> e0 = w->epoch_order(0), e1 = w->epoch_order(1);
+  w->next_batch(2);
+  const std::vector<int64_t> batch = w->next_batch(2);  // e0[2], e1[0]
+  EXPECT_EQ(batch[0], 1000 + e0[2] * 8);
+  EXPECT_EQ(batch[9], 1000 + e1[0] * 8);
+  EXPECT_EQ(w->position(), (DataPosition{1, 1}));
+}
+
+TEST(DataTest, RestoringThePositionContinuesExactly) {
+  absl::StatusOr<TokenWindows> a = TokenWindows::from_tokens(iota_tokens(2001), 16, 9);
+  for (int i = 0; i < 7; ++i) a->next_batch(4);  // 28 of 125 windows
+  const DataPosition saved = a->position();
+  std::vector<std::vector<int64_t>> expected;
+  for (int i = 0; i < 40; ++i) expected.push_back(a->next_batch(4));  // crosses an epoch
+
+  absl::StatusOr<TokenWindows> b = TokenWindows::from_tokens(iota_tokens(2001), 16, 9);
+  ASSERT_TRUE(b->set_position(saved).ok());
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(b->next_batch(4), expected[i]) << "batch " << i;
+}
+
+TEST(DataTest, RejectsBadPositionsAndShortStreams) {
+  absl::StatusOr<TokenWindows> w = TokenWindows::from_tokens(iota_tokens(25), 8, 5);
+  EXPECT_EQ(w->set_position({0, 3}).message(),
+            "data position {epoch 0, index 3} is outside the data set (3 windows per epoch)");
+  EXPECT_EQ(TokenWindows::from_tokens(iota_tokens(8), 8, 5).status().message(),
+            "data: the token stream has 8 tokens, fewer than one window of seq_len + 1 = 9");
+}
+
+TEST(DataTest, OpensTheEmbeddedCorpusAsBytes) {
+  DataConfig config;  // embedded, data/corpus.txt
+  absl::StatusOr<TokenWindows> w = TokenWindows::open(config, 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->num_tokens(), 67984);
+  EXPECT_EQ(w->num_windows(), (67984 - 1) / 64);
+  const std::vector<int64_t> batch = w->next_batch(4);
+  for (int64_t t : batch) {
+    EXPECT_GE(t, 0);
+    EXPECT_LT(t, 256);
+  }
+}
+
+TEST(DataTest, OpensAnIndexedDatasetBuiltFromTheCorpus) {
+  const std::string prefix = std::string(std::getenv("TEST_TMPDIR")) + "/corpus_u16";
+  absl::StatusOr<io::TextDatasetStats> stats =
+      io::build_indexed_dataset_from_text("data/corpus.txt", prefix, io::TokenDType::kUInt16);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  DataConfig config;
+  config.source = DataSource::kIndexed;
+  config.prefix = prefix;
+  absl::StatusOr<TokenWindows> w = TokenWindows::open(config, 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->num_tokens(), stats->num_tokens);
+  EXPECT_EQ(w->next_batch(2).size(), 2u * 65u);
+}
+
+TEST(DataTest, MissingSourceIsNotFound) {
+  DataConfig config;
+  config.path = "data/nope.txt";
+  EXPECT_EQ(TokenWindows::open(config, 1).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace gdr

@@ -1,0 +1,232 @@
+// Run config loading: the checked-in configs, defaults, --set overrides, and the exact
+// error messages for unknown keys, wrong types and bad values.
+#include "gdr/run_config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace gdr {
+namespace {
+
+constexpr char kModelSection[] = R"(model:
+  hidden_size: 64
+  num_hidden_layers: 2
+  intermediate_size: 128
+  vocab_size: 256
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  head_dim: 16
+  linear_num_key_heads: 2
+  linear_num_value_heads: 4
+  linear_key_head_dim: 16
+  linear_value_head_dim: 16
+)";
+
+std::string write_config(const std::string& name, const std::string& text) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(RunConfigTest, LoadsTheTinyTrainingConfig) {
+  const absl::StatusOr<RunConfig> c = load_run_config("configs/train_tiny.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->model.hidden_size, 64);
+  EXPECT_TRUE(c->model.deterministic_mode);
+  EXPECT_EQ(c->data.source, DataSource::kEmbedded);
+  EXPECT_EQ(c->data.path, "data/corpus.txt");
+  EXPECT_EQ(c->data.seq_len, 64);
+  EXPECT_EQ(c->data.micro_batch_size, 4);
+  EXPECT_DOUBLE_EQ(c->optimizer.lr, 3e-3);
+  EXPECT_DOUBLE_EQ(c->optimizer.beta2, 0.95);
+  EXPECT_EQ(c->train.grad_accum, 2);
+  EXPECT_EQ(c->train.steps, 30);
+  EXPECT_EQ(c->schedule_total_steps(), 30);
+  EXPECT_EQ(c->train.dtype, TrainDtype::kFloat32);
+  EXPECT_EQ(c->train.on_nonfinite, OnNonfinite::kStop);
+  EXPECT_NE(c->config_text.find("grad_accum: 2"), std::string::npos);
+}
+
+TEST(RunConfigTest, MissingSectionsKeepTheirDefaults) {
+  const std::string path = write_config("model_only.yaml", kModelSection);
+  const absl::StatusOr<RunConfig> c = load_run_config(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->train.steps, TrainConfig().steps);
+  EXPECT_EQ(c->data.seq_len, DataConfig().seq_len);
+  EXPECT_EQ(c->model.num_hidden_layers, 2);
+}
+
+TEST(RunConfigTest, OverridesAreTypedByTheSchema) {
+  const absl::StatusOr<RunConfig> c =
+      load_run_config("configs/train_tiny.yaml", {{"train.steps", "5"},
+                                                  {"optimizer.betas", "[0.8, 0.99]"},
+                                                  {"train.dtype", "bf16"},
+                                                  {"model.hidden_size", "32"},
+                                                  {"train.metrics_path", "runs/m.jsonl"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->train.steps, 5);
+  EXPECT_DOUBLE_EQ(c->optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c->optimizer.beta2, 0.99);
+  EXPECT_EQ(c->train.dtype, TrainDtype::kBFloat16);
+  EXPECT_EQ(c->model.hidden_size, 32);
+  EXPECT_EQ(c->train.metrics_path, "runs/m.jsonl");
+  EXPECT_NE(c->config_text.find("steps: 5"), std::string::npos);
+}
+
+TEST(RunConfigTest, ParsesOverrideFlags) {
+  const absl::StatusOr<ConfigOverride> o = parse_config_override("train.steps=5");
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->path, "train.steps");
+  EXPECT_EQ(o->value, "5");
+  EXPECT_EQ(parse_config_override("steps=5").status().message(),
+            "--set steps=5: expected section.key=value, e.g. --set=train.steps=5");
+  EXPECT_EQ(parse_config_override("train.steps").status().message(),
+            "--set train.steps: expected section.key=value, e.g. --set=train.steps=5");
+}
+
+struct ErrorCase {
+  const char* name;
+  std::string extra_yaml;  // appended after the model section
+  std::vector<ConfigOverride> overrides;
+  std::string expected;  // "$" stands for the file path
+};
+
+class RunConfigErrorTest : public testing::TestWithParam<ErrorCase> {};
+
+TEST_P(RunConfigErrorTest, NamesTheKeyAndTheFile) {
+  const ErrorCase& c = GetParam();
+  const std::string path =
+      write_config(std::string(c.name) + ".yaml", kModelSection + c.extra_yaml);
+  const absl::StatusOr<RunConfig> loaded = load_run_config(path, c.overrides);
+  ASSERT_FALSE(loaded.ok());
+  std::string expected = c.expected;
+  if (const size_t at = expected.find('$'); at != std::string::npos) expected.replace(at, 1, path);
+  EXPECT_EQ(loaded.status().message(), expected);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, RunConfigErrorTest,
+    testing::Values(
+        ErrorCase{"unknown_key", "train:\n  stepz: 3\n", {}, "$: train.stepz: unknown key"},
+        ErrorCase{"unknown_section", "trainer:\n  steps: 3\n", {}, "$: trainer: unknown section"},
+        ErrorCase{"wrong_type",
+                  "train:\n  steps: many\n",
+                  {},
+                  "$: train.steps: expected an integer but got 'many'"},
+        ErrorCase{"quoted_number",
+                  "train:\n  steps: \"3\"\n",
+                  {},
+                  "$: train.steps: expected an integer but got '3'"},
+        ErrorCase{"bad_choice",
+                  "train:\n  dtype: fp16\n",
+                  {},
+                  "$: train.dtype: expected one of fp32, bf16 but got 'fp16'"},
+        ErrorCase{"bad_nonfinite",
+                  "train:\n  on_nonfinite: ignore\n",
+                  {},
+                  "$: train.on_nonfinite: expected one of stop, skip but got 'ignore'"},
+        ErrorCase{"betas_not_a_pair",
+                  "optimizer:\n  betas: 0.9\n",
+                  {},
+                  "$: optimizer.betas: expected a list of two numbers but got '0.9'"},
+        ErrorCase{"beta_out_of_range",
+                  "optimizer:\n  betas: [0.9, 1.0]\n",
+                  {},
+                  "$: optimizer.betas[1]: expected a number in [0, 1) but got 1"},
+        ErrorCase{"zero_seq_len",
+                  "data:\n  seq_len: 0\n",
+                  {},
+                  "$: data.seq_len: expected an integer >= 1 but got 0"},
+        ErrorCase{"indexed_without_prefix",
+                  "data:\n  source: indexed\n",
+                  {},
+                  "$: data.prefix: required when data.source is indexed"},
+        ErrorCase{
+            "section_not_a_mapping", "train: 3\n", {}, "$: train: expected a mapping but got '3'"},
+        ErrorCase{"model_error_passes_through",
+                  "",
+                  {{"model.hidden_size", "abc"}},
+                  "$: model.hidden_size: expected an integer but got 'abc'"},
+        ErrorCase{"model_unknown_key_via_set",
+                  "",
+                  {{"model.hiden_size", "3"}},
+                  "$: model.hiden_size: unknown key"},
+        ErrorCase{"override_wrong_type",
+                  "",
+                  {{"train.steps", "x"}},
+                  "$: train.steps: expected an integer but got 'x'"},
+        ErrorCase{"override_unknown_key",
+                  "",
+                  {{"train.stepz", "5"}},
+                  "--set train.stepz=5: train.stepz: unknown key"},
+        ErrorCase{"override_unknown_section",
+                  "",
+                  {{"trainer.steps", "5"}},
+                  "--set trainer.steps=5: trainer.steps: unknown key"}),
+    [](const testing::TestParamInfo<ErrorCase>& info) { return std::string(info.param.name); });
+
+TEST(RunConfigTest, MissingModelSectionIsAnError) {
+  const std::string path = write_config("no_model.yaml", "train:\n  steps: 3\n");
+  EXPECT_EQ(load_run_config(path).status().message(),
+            path + ": model: required section is missing");
+}
+
+TEST(RunConfigTest, MissingFileIsNotFound) {
+  const absl::StatusOr<RunConfig> c = load_run_config("configs/does_not_exist.yaml");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c.status().message(), "configs/does_not_exist.yaml: cannot open the config file");
+}
+
+}  // namespace
+}  // namespace gdr
+
+namespace gdr {
+namespace {
+
+std::vector<std::string> differences(const RunConfig& saved, const RunConfig& current) {
+  absl::StatusOr<std::vector<std::string>> d =
+      resume_config_differences(saved.config_text, "saved", current);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *d : std::vector<std::string>{"<error>"};
+}
+
+RunConfig tiny(std::vector<ConfigOverride> overrides = {}) {
+  absl::StatusOr<RunConfig> c = load_run_config("configs/train_tiny.yaml", overrides);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+TEST(ResumeConfigTest, TheSameConfigHasNoDifferences) {
+  EXPECT_TRUE(differences(tiny(), tiny()).empty());
+}
+
+TEST(ResumeConfigTest, OutputsAndLoggingMayChange) {
+  const RunConfig saved = tiny({{"schedule.total_steps", "30"}});
+  EXPECT_TRUE(differences(saved, tiny({{"schedule.total_steps", "30"},
+                                       {"train.steps", "50"},
+                                       {"train.snapshot_dir", "snap"},
+                                       {"train.checkpoint_dir", "ckpt"},
+                                       {"train.metrics_path", "m.jsonl"},
+                                       {"train.log_every", "5"}}))
+                  .empty());
+}
+
+TEST(ResumeConfigTest, NamesEveryKeyThatChangesTheComputation) {
+  EXPECT_EQ(differences(tiny(), tiny({{"optimizer.lr", "1e-3"},
+                                      {"train.seed", "5"},
+                                      {"optimizer.betas", "[0.9, 0.99]"},
+                                      {"model.rope_theta", "10000"}})),
+            (std::vector<std::string>{"model.rope_theta", "optimizer.lr", "optimizer.betas",
+                                      "train.seed"}));
+  // With total_steps 0 the schedule ends at train.steps, so changing it moves the LR.
+  EXPECT_EQ(differences(tiny(), tiny({{"train.steps", "60"}})),
+            (std::vector<std::string>{"schedule.total_steps (effective: 0 means train.steps)"}));
+}
+
+}  // namespace
+}  // namespace gdr
