@@ -9,12 +9,13 @@
 # Usage: tools/state_equality_check.sh CONFIG [--set=...]...
 # Env: TRAIN, COMPARE (binaries; default bazel-bin/tools/{train,compare_snapshots}),
 #      STEPS (3), RESUME_FROM (1), WORK (scratch dir, default /tmp/gdr-state-check),
-#      ARM_WORK (where re-run/resume/broken snapshots go, default $WORK), NONDET (0).
+#      ARM_WORK (where re-run/resume/broken snapshots go, default $WORK), CKPT_DIR
+#      (reference checkpoints, default $WORK/checkpoints), NONDET (0).
 # Each arm's snapshots are deleted after its comparison (0.8B snapshots are ~13 GB a step).
 # Exit 0 when 2-4 hold, 1 when one fails, 2 on bad usage or missing evidence.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "$1" = "--help" ]; then
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   [ $# -lt 1 ] && exit 2 || exit 0
 fi
 config=$1
@@ -25,10 +26,11 @@ steps=${STEPS:-3}
 resume_from=${RESUME_FROM:-1}
 work=${WORK:-/tmp/gdr-state-check}
 arm_work=${ARM_WORK:-$work}
+ckpt_dir=${CKPT_DIR:-$work/checkpoints}
 for b in "$train" "$compare"; do
   [ -x "$b" ] || { echo "state_equality_check: no executable $b (build it or set TRAIN/COMPARE)" >&2; exit 2; }
 done
-rm -rf "$work" "$arm_work/arms"
+rm -rf "$work" "$arm_work/arms" "$ckpt_dir"
 mkdir -p "$work" "$arm_work/arms"
 failures=0
 
@@ -58,7 +60,7 @@ judge() {  # judge WANT DESCRIPTION DIR_A DIR_B
 }
 
 run reference "$work/reference" "$@" --set=train.steps="$steps" \
-  --set=train.checkpoint_dir="$work/checkpoints" --set=train.checkpoint_every="$resume_from" ||
+  --set=train.checkpoint_dir="$ckpt_dir" --set=train.checkpoint_every="$resume_from" ||
   { echo "reference run failed" >&2; exit 2; }
 
 run rerun "$arm_work/arms/rerun" "$@" --set=train.steps="$steps" || exit 2
@@ -66,7 +68,7 @@ judge 0 "fresh-process re-run is byte-identical in every snapshot" "$work/refere
 rm -rf "$arm_work/arms/rerun"
 
 run resume "$arm_work/arms/resume" "$@" --set=train.steps="$steps" \
-  --resume="$work/checkpoints/step_$resume_from" || exit 2
+  --resume="$ckpt_dir/step_$resume_from" || exit 2
 for ((s = resume_from + 1; s <= steps; s++)); do
   judge 0 "resume from step $resume_from equals the reference at step $s" \
     "$work/reference/step_$s" "$arm_work/arms/resume/step_$s"
