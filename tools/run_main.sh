@@ -7,6 +7,10 @@ repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_root"
 bash tools/setup.sh
 device=cpu
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda; fi
-exec bazel run //tools:train -- --config="$repo_root/configs/train_tiny.yaml" \
+target=//tools:train  # links the CPU libtorch only, so it runs where CUDA's libraries are absent
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  device=cuda
+  target=//tools:train_cuda
+fi
+exec bazel run "$target" -- --config="$repo_root/configs/train_tiny.yaml" \
   --set=train.device="$device" "$@"
