@@ -2,6 +2,7 @@
 // section is handed to the model's own loader (models/qwen/config.h) so its keys, defaults
 // and messages live in one place.
 #include "gdr/run_config.h"
+#include "io/yaml_file.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -307,17 +308,6 @@ bool may_change_on_resume(absl::string_view dotted) {
   return false;
 }
 
-absl::StatusOr<YAML::Node> load_yaml(const std::string& path) {
-  try {
-    return YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
-  } catch (const YAML::ParserException& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ":", e.mark.line + 1, ":", e.mark.column + 1, ": parse error: ", e.msg));
-  }
-}
-
 }  // namespace
 
 absl::string_view train_dtype_name(TrainDtype dtype) {
@@ -336,7 +326,7 @@ absl::StatusOr<ConfigOverride> parse_config_override(const std::string& text) {
 
 absl::StatusOr<RunConfig> load_run_config(const std::string& path,
                                           const std::vector<ConfigOverride>& overrides) {
-  absl::StatusOr<YAML::Node> loaded = load_yaml(path);
+  absl::StatusOr<YAML::Node> loaded = io::load_yaml_file(path);
   if (!loaded.ok()) return loaded.status();
   YAML::Node root = *loaded;
   if (!root.IsMap()) {

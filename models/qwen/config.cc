@@ -1,6 +1,7 @@
 // QwenConfig loading and validation. Both formats are read with yaml-cpp: JSON is YAML's
 // flow style, so one strict, table-driven reader serves our YAML and HF's config.json.
 #include "models/qwen/config.h"
+#include "io/yaml_file.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -311,17 +312,6 @@ absl::StatusOr<QwenConfig> parse_section(const YAML::Node& section, const Source
   return config;
 }
 
-absl::StatusOr<YAML::Node> load_file(const std::string& path) {
-  try {
-    return YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
-  } catch (const YAML::ParserException& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ":", e.mark.line + 1, ":", e.mark.column + 1, ": parse error: ", e.msg));
-  }
-}
-
 }  // namespace
 
 absl::string_view pre_gdr_fusion_name(PreGdrFusion fusion) {
@@ -424,7 +414,7 @@ absl::Status validate_qwen_config(const QwenConfig& c, absl::string_view file,
 }
 
 absl::StatusOr<QwenConfig> load_qwen_config_yaml(const std::string& path) {
-  absl::StatusOr<YAML::Node> root = load_file(path);
+  absl::StatusOr<YAML::Node> root = io::load_yaml_file(path);
   if (!root.ok()) return root.status();
   // Note: YAML::Node assignment writes through to the referenced node, so the section is
   // chosen at construction rather than by reassigning a node that aliases the root.
@@ -438,7 +428,7 @@ absl::StatusOr<QwenConfig> load_qwen_config_yaml(const std::string& path) {
 }
 
 absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path) {
-  absl::StatusOr<YAML::Node> root = load_file(path);
+  absl::StatusOr<YAML::Node> root = io::load_yaml_file(path);
   if (!root.ok()) return root.status();
   if (!root->IsMap()) {
     return absl::InvalidArgumentError(

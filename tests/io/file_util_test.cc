@@ -1,5 +1,6 @@
 // Tests for io/file_util: atomic publication, positioned reads and their error messages.
 #include "io/file_util.h"
+#include "tests/io/test_files.h"
 
 #include <gtest/gtest.h>
 
@@ -8,14 +9,6 @@
 
 namespace gdr::io {
 namespace {
-
-std::string test_dir() {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  std::string dir = testing::TempDir() + "/" + info->test_suite_name() + "." + info->name();
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
 
 int count_files(const std::string& dir) {
   int n = 0;

@@ -1,0 +1,18 @@
+#include "io/yaml_file.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace gdr::io {
+
+absl::StatusOr<YAML::Node> load_yaml_file(const std::string& path) {
+  try {
+    return YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
+  } catch (const YAML::ParserException& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ":", e.mark.line + 1, ":", e.mark.column + 1, ": parse error: ", e.msg));
+  }
+}
+
+}  // namespace gdr::io
