@@ -8,7 +8,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "io/file_util.h"
 #include "io/safetensors.h"
+#include "nlohmann/json.hpp"
 
 namespace gdr {
 namespace {
@@ -20,6 +22,37 @@ bool is_skipped_part(const std::string& name) {
 }
 
 }  // namespace
+
+absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path) {
+  nlohmann::ordered_json json;
+  json["architectures"] = {"Qwen3_5ForCausalLM"};
+  json["model_type"] = "qwen3_5_text";
+  json["hidden_size"] = config.hidden_size;
+  json["num_hidden_layers"] = config.num_hidden_layers;
+  json["intermediate_size"] = config.intermediate_size;
+  json["vocab_size"] = config.vocab_size;
+  json["num_attention_heads"] = config.num_attention_heads;
+  json["num_key_value_heads"] = config.num_key_value_heads;
+  json["head_dim"] = config.head_dim;
+  json["linear_num_key_heads"] = config.linear_num_key_heads;
+  json["linear_num_value_heads"] = config.linear_num_value_heads;
+  json["linear_key_head_dim"] = config.linear_key_head_dim;
+  json["linear_value_head_dim"] = config.linear_value_head_dim;
+  json["linear_conv_kernel_dim"] = config.linear_conv_kernel_dim;
+  json["rms_norm_eps"] = config.rms_norm_eps;
+  json["layer_types"] = config.layer_types;
+  json["full_attention_interval"] = config.full_attention_interval;
+  json["rope_parameters"] = {{"rope_type", "default"},
+                             {"rope_theta", config.rope_theta},
+                             {"partial_rotary_factor", config.partial_rotary_factor}};
+  json["tie_word_embeddings"] = config.tie_word_embeddings;
+  json["hidden_act"] = config.hidden_act;
+  json["max_position_embeddings"] = config.max_position_embeddings;
+  json["initializer_range"] = config.initializer_range;
+  json["attention_bias"] = false;
+  json["attn_output_gate"] = true;
+  return io::write_file_atomically(path, json.dump(2) + "\n");
+}
 
 absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::string& dir,
                                 const HfSaveOptions& options) {
@@ -35,6 +68,9 @@ absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::str
   std::filesystem::create_directories(dir, ec);
   if (ec)
     return absl::InternalError(absl::StrCat(dir, ": cannot create directory: ", ec.message()));
+  if (absl::Status s = write_hf_config_json(model.config(), dir + "/config.json"); !s.ok()) {
+    return s;
+  }
   const io::SafetensorsMetadata metadata = {{"format", "pt"}};
   if (total_bytes <= options.max_shard_bytes) {
     return io::write_safetensors(dir + "/model.safetensors", tensors, metadata);

@@ -18,7 +18,13 @@ struct HfSaveOptions {
   int64_t max_shard_bytes = int64_t{5} << 30;
 };
 
-// Writes model.named_parameters() into `dir` (created if missing), atomically per file.
+// The text config as a Hugging Face config.json (model_type qwen3_5_text), readable by
+// load_qwen_config_hf_json and by transformers. gdr's own keys (pre_gdr_fusion,
+// deterministic_mode) are not HF keys and are not written.
+absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path);
+
+// Writes model.named_parameters() and config.json into `dir` (created if missing),
+// atomically per file.
 absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::string& dir,
                                 const HfSaveOptions& options = {});
 

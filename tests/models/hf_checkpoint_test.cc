@@ -47,6 +47,32 @@ TEST(HfCheckpoint, SingleFileRoundTripIsBitExact) {
   expect_same_parameters(*source, *target);
 }
 
+TEST(HfCheckpoint, ConfigJsonRoundTripsThroughTheHfLoader) {
+  QwenForCausalLM source(tiny());
+  const std::string dir = fresh_dir("config_json");
+  ASSERT_TRUE(save_hf_checkpoint(*source, dir).ok());
+  auto loaded = load_qwen_config_hf_json(dir + "/config.json");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const QwenConfig& a = source->config();
+  const QwenConfig& b = *loaded;
+  EXPECT_EQ(b.hidden_size, a.hidden_size);
+  EXPECT_EQ(b.num_hidden_layers, a.num_hidden_layers);
+  EXPECT_EQ(b.intermediate_size, a.intermediate_size);
+  EXPECT_EQ(b.vocab_size, a.vocab_size);
+  EXPECT_EQ(b.num_attention_heads, a.num_attention_heads);
+  EXPECT_EQ(b.num_key_value_heads, a.num_key_value_heads);
+  EXPECT_EQ(b.head_dim, a.head_dim);
+  EXPECT_EQ(b.linear_num_key_heads, a.linear_num_key_heads);
+  EXPECT_EQ(b.linear_num_value_heads, a.linear_num_value_heads);
+  EXPECT_EQ(b.linear_key_head_dim, a.linear_key_head_dim);
+  EXPECT_EQ(b.linear_value_head_dim, a.linear_value_head_dim);
+  EXPECT_EQ(b.layer_types, a.layer_types);
+  EXPECT_EQ(b.rope_theta, a.rope_theta);
+  EXPECT_EQ(b.partial_rotary_factor, a.partial_rotary_factor);
+  EXPECT_EQ(b.rms_norm_eps, a.rms_norm_eps);
+  EXPECT_EQ(b.tie_word_embeddings, a.tie_word_embeddings);
+}
+
 TEST(HfCheckpoint, ShardedRoundTripIsBitExact) {
   QwenForCausalLM source(tiny()), target(tiny());
   init_qwen_weights(*source, 3);
