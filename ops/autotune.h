@@ -41,7 +41,9 @@ void clear_autotune_cache();
 int64_t autotune_cache_size();
 
 // `static_cost` must be a pure function of the shapes; `time_ms` runs one candidate and
-// returns its time (it is only called in default mode, on a cache miss).
+// returns its time (it is only called in default mode, on a cache miss). An empty
+// `time_ms` means timing is not possible now (e.g. the stream is capturing a CUDA graph):
+// a cache miss then takes the static-cost choice without caching it.
 template <typename Config>
 TileSelection<Config> autotune_configs(const std::vector<Config>& candidates,
                                        const std::string& cache_key, bool deterministic,
@@ -50,7 +52,7 @@ TileSelection<Config> autotune_configs(const std::vector<Config>& candidates,
                                        const std::function<double(const Config&)>& time_ms) {
   TORCH_CHECK(!candidates.empty(), "autotune_configs: empty candidate list for ", cache_key);
   if (override_config.has_value()) return {*override_config, SelectionSource::kOverride};
-  if (deterministic) {
+  auto cheapest = [&] {
     size_t best = 0;
     double best_cost = static_cost(candidates[0]);
     for (size_t i = 1; i < candidates.size(); ++i) {
@@ -60,11 +62,13 @@ TileSelection<Config> autotune_configs(const std::vector<Config>& candidates,
         best_cost = cost;
       }
     }
-    return {candidates[best], SelectionSource::kStaticCost};
-  }
+    return TileSelection<Config>{candidates[best], SelectionSource::kStaticCost};
+  };
+  if (deterministic) return cheapest();
   if (std::optional<int> cached = autotune_internal::cached_choice(cache_key)) {
     return {candidates[static_cast<size_t>(*cached)], SelectionSource::kAutotuneCache};
   }
+  if (!time_ms) return cheapest();
   size_t best = 0;
   double best_ms = time_ms(candidates[0]);
   for (size_t i = 1; i < candidates.size(); ++i) {

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -136,12 +137,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
                                 (a.is_contiguous() && b.is_contiguous() ? "1" : "0");
   at::Tensor accumulator;  // atomic mode only: FP32 [2, Hv]
   if (!ordered) accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
+  // Timing needs cudaEventSynchronize, which a capturing stream forbids: during graph
+  // capture a cache miss takes the static rule instead (Note [Tile selection]).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();  // do not let the query's error surface as a launch failure
+    capture = cudaStreamCaptureStatusNone;
+  }
+  std::function<double(const kernels::GateTile&)> time_ms;
+  if (capture == cudaStreamCaptureStatusNone) {
+    time_ms = [&](const kernels::GateTile& tile) {
+      return time_atomic_backward(args, tile, accumulator.data_ptr<float>(), stream);
+    };
+  }
   const TileSelection<kernels::GateTile> selection = select_pre_gdr_gate_tile(
-      args.shape, dtype_key, a.get_device(), ordered,
-      [&](const kernels::GateTile& tile) {
-        return time_atomic_backward(args, tile, accumulator.data_ptr<float>(), stream);
-      },
-      static_cast<int>(a.element_size()));
+      args.shape, dtype_key, a.get_device(), ordered, time_ms, static_cast<int>(a.element_size()));
   const kernels::GateBackwardLaunch launch =
       kernels::derive_gate_backward_launch(selection.config, args.shape);
 

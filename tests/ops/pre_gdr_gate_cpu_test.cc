@@ -158,8 +158,6 @@ TEST(GateSelection, KeysSeparateShapesDtypesAndDevices) {
 
 TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
   // Hv = 16 must not pick block_h 64 (three quarters of the lanes idle).
-  const GateTile small = kernels::pre_gdr_gate_candidate_tiles()[0];
-  (void)small;
   for (const ShapeCase& c : shape_cases()) {
     const GateShape shape{c.dim0, c.dim1, c.heads};
     const TileSelection<GateTile> pick =
@@ -168,6 +166,22 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
     const auto launch = kernels::derive_gate_backward_launch(pick.config, shape);
     EXPECT_LE(launch.programs_t, 2048) << c.name << " picks " << kernels::to_string(pick.config);
   }
+}
+
+TEST(GateSelection, WithoutTimingACacheMissTakesTheStaticRuleAndDoesNotCacheIt) {
+  // What the CUDA op does while a stream captures a CUDA graph.
+  clear_autotune_cache();
+  const GateShape shape{1, 8192, 16};
+  const TileSelection<GateTile> untimed = select_pre_gdr_gate_tile(shape, "k", 0, false, nullptr);
+  EXPECT_EQ(untimed.source, SelectionSource::kStaticCost);
+  EXPECT_EQ(untimed.config, select_pre_gdr_gate_tile(shape, "k", 0, true, nullptr).config);
+  EXPECT_EQ(autotune_cache_size(), 0);
+  const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
+  auto time_ms = [&](const GateTile& tile) { return tile == candidates.back() ? 0.1 : 1.0; };
+  EXPECT_EQ(select_pre_gdr_gate_tile(shape, "k", 0, false, time_ms).config, candidates.back());
+  const TileSelection<GateTile> cached = select_pre_gdr_gate_tile(shape, "k", 0, false, nullptr);
+  EXPECT_EQ(cached.source, SelectionSource::kAutotuneCache);
+  EXPECT_EQ(cached.config, candidates.back());
 }
 
 TEST(GateSelection, Fp32ActivationsAimAtFewerLargerProgramsThanBf16) {
@@ -289,8 +303,6 @@ TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
   const double offset = std::string(c.regime) == "large_pre"           ? 24.0
                         : std::string(c.regime) == "very_negative_pre" ? -40.0
                                                                        : 0.0;
-  const auto in_opts = at::TensorOptions().dtype(c.input_dtype);
-  const auto p_opts = at::TensorOptions().dtype(c.param_dtype);
   at::Tensor a =
       (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 2 + offset).to(c.input_dtype);
   at::Tensor b = (at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads}) * 3).to(c.input_dtype);
@@ -298,8 +310,6 @@ TEST_P(GateMathTest, CpuOpMatchesAutogradOfTheUnfusedFormulas) {
   at::Tensor dt_bias = (at::randn({c.shape.heads}) * 0.5 + 1).to(c.param_dtype);
   at::Tensor grad_g = at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads});
   at::Tensor grad_beta = at::randn({c.shape.dim0, c.shape.dim1, c.shape.heads});
-  (void)in_opts;
-  (void)p_opts;
 
   auto run = [&](bool fused) {
     at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
