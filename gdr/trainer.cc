@@ -13,6 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "gdr/distributed.h"
+#include "gdr/sha256.h"
 #include "io/file_util.h"
 #include "models/qwen/deterministic_mode.h"
 #include "models/qwen/model.h"
@@ -70,6 +72,16 @@ void set_cpu_rng_state(const at::Tensor& state) {
   gen.set_state(state);
 }
 
+// sha256 over the per-tensor sha256s of `tensors` (bytes as stored, in order).
+std::string tensors_checksum(const std::vector<at::Tensor>& tensors) {
+  std::string digests;
+  for (const at::Tensor& t : tensors) {
+    const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    digests += sha256_hex(absl::string_view(static_cast<const char*>(c.data_ptr()), c.nbytes()));
+  }
+  return sha256_hex(digests);
+}
+
 }  // namespace
 
 double learning_rate_at(const RunConfig& config, int64_t step) {
@@ -106,6 +118,10 @@ struct Trainer::Impl {
   // Kept from the last step for snapshots.
   std::vector<at::Tensor> last_grads;
   std::vector<double> last_losses;
+  std::shared_ptr<ProcessGroup> group;  // null: one process
+
+  int rank() const { return group ? group->rank() : 0; }
+  int world() const { return group ? group->world_size() : 1; }
 
   bool mixed() const { return config.train.dtype == TrainDtype::kBFloat16; }
 
@@ -119,7 +135,15 @@ struct Trainer::Impl {
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config) {
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config,
+                                                         std::shared_ptr<ProcessGroup> group) {
+  if (group != nullptr && group->world_size() > 1) {
+    if (absl::Status s =
+            check_same_on_all_ranks(*group, "config hash", sha256_hex(config.config_text));
+        !s.ok()) {
+      return s;
+    }
+  }
   if (absl::Status s = apply_deterministic_mode(config.model); !s.ok()) return s;
   at::Device device(at::kCPU);
   if (config.train.device == TrainDevice::kCuda) {
@@ -137,6 +161,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
 
   auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data)});
   impl->device = device;
+  impl->group = std::move(group);
   try {
     impl->model = QwenForCausalLM(config.model);
     init_qwen_weights(*impl->model, static_cast<uint64_t>(config.train.seed));
@@ -155,6 +180,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(config.source, ": ", e.what_without_backtrace()));
+  }
+  if (impl->world() > 1) {
+    if (absl::Status s = check_same_on_all_ranks(*impl->group, "initial parameter checksum",
+                                                 tensors_checksum(impl->masters));
+        !s.ok()) {
+      return s;
+    }
   }
   return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
 }
@@ -181,18 +213,45 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   for (at::Tensor& p : m.params) p.mutable_grad().reset();
   for (at::Tensor& p : m.masters) p.mutable_grad().reset();
 
-  for (int64_t micro = 0; micro < accum; ++micro) {
-    std::vector<int64_t> tokens = m.data.next_batch(batch);
+  const int world = m.world();
+  // Global microbatches k = 0 .. world * accum - 1 of this step; rank r trains on
+  // k = r * accum .. r * accum + accum - 1 (see Trainer::create). Every rank reads them all,
+  // so the data position stays the same on every rank.
+  std::vector<std::vector<int64_t>> mine;
+  for (int64_t k = 0; k < world * accum; ++k) {
+    std::vector<int64_t> b = m.data.next_batch(batch);
+    if (k / accum == m.rank()) mine.push_back(std::move(b));
+  }
+  // Each microbatch's FP32 gradient is a leaf of the reduction tree (Note [Gradient
+  // reduction tree] in gdr/distributed.h); with accum <= 2 and one rank this is exactly
+  // autograd's accumulation.
+  PairwiseSum tree;
+  for (const std::vector<int64_t>& tokens : mine) {
     const at::Tensor ids = at::tensor(tokens, at::kLong).reshape({batch, window}).to(m.device);
     const at::Tensor loss = m.model->loss(ids, ids);
-    (loss / static_cast<double>(accum)).backward();
+    (loss / static_cast<double>(world * accum)).backward();
     stats.microbatch_losses.push_back(loss.item<double>());
     stats.tokens += batch * (window - 1);
-  }
-  if (m.mixed()) {
-    for (size_t i = 0; i < m.params.size(); ++i) {
-      m.masters[i].mutable_grad() = m.params[i].grad().to(at::kFloat);
+    std::vector<at::Tensor> leaf;
+    for (at::Tensor& p : m.params) {
+      leaf.push_back(m.mixed() ? p.grad().to(at::kFloat) : p.grad());
+      p.mutable_grad().reset();
     }
+    tree.add(std::move(leaf));
+  }
+  std::vector<at::Tensor> grads = tree.finish();
+  for (size_t i = 0; i < m.masters.size(); ++i) m.masters[i].mutable_grad() = grads[i];
+  if (world > 1) {
+    std::vector<std::vector<double>> losses;
+    if (absl::Status s = m.group->all_reduce_sum(grads, stats.microbatch_losses, &losses);
+        !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
+    }
+    stats.microbatch_losses.clear();  // all of them, in global order
+    for (int r = 0; r < world; ++r) {
+      for (double l : losses[r]) stats.microbatch_losses.push_back(l);
+    }
+    stats.tokens *= world;
   }
   // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order.
   std::vector<at::Tensor> norms;
@@ -200,14 +259,14 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   stats.grad_norm = at::stack(norms).norm().item<double>();
   double loss_sum = 0;
   for (double l : stats.microbatch_losses) loss_sum += l;
-  stats.loss = loss_sum / static_cast<double>(accum);
+  stats.loss = loss_sum / static_cast<double>(stats.microbatch_losses.size());
   stats.lr = learning_rate_at(m.config, stats.step);
 
   std::string nonfinite;
   for (size_t i = 0; i < stats.microbatch_losses.size(); ++i) {
     if (!std::isfinite(stats.microbatch_losses[i]) && nonfinite.empty()) {
       nonfinite = absl::StrCat("non-finite loss ", stats.microbatch_losses[i], " in microbatch ",
-                               i + 1, " of ", accum);
+                               i + 1, " of ", stats.microbatch_losses.size());
     }
   }
   if (nonfinite.empty() && !std::isfinite(stats.grad_norm)) {
@@ -366,6 +425,11 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
         absl::StrCat(*step_dir, "/state.json: rng_cpu: ", e.what_without_backtrace()));
   }
   m.step = ckpt->state.step;
+  if (m.world() > 1) {
+    // Every rank read the checkpoint itself: make sure they all read the same one.
+    return check_same_on_all_ranks(*m.group, "resumed parameter checksum",
+                                   tensors_checksum(m.masters));
+  }
   return absl::OkStatus();
 }
 
@@ -415,8 +479,11 @@ absl::Status Trainer::write_snapshot(const std::string& dir) const {
 
 absl::Status Trainer::run(std::ostream& log) {
   const TrainConfig& tc = impl_->config.train;
+  const bool rank0 = impl_->rank() == 0;
+  std::string snapshot_dir = tc.snapshot_dir;
+  if (!rank0 && !snapshot_dir.empty()) snapshot_dir += absl::StrCat(".rank", impl_->rank());
   std::ofstream metrics;
-  if (!tc.metrics_path.empty()) {
+  if (rank0 && !tc.metrics_path.empty()) {
     const std::string parent = io::dirname_of(tc.metrics_path);
     std::error_code ec;
     std::filesystem::create_directories(parent, ec);
@@ -429,7 +496,7 @@ absl::Status Trainer::run(std::ostream& log) {
   while (impl_->step < tc.steps) {
     absl::StatusOr<StepStats> stats = train_step();
     if (!stats.ok()) return stats.status();
-    if (stats->step % tc.log_every == 0 || stats->step == tc.steps) {
+    if (rank0 && (stats->step % tc.log_every == 0 || stats->step == tc.steps)) {
       log << format_progress_line(*stats, tc.steps) << std::endl;
     }
     if (metrics.is_open()) {
@@ -446,11 +513,11 @@ absl::Status Trainer::run(std::ostream& log) {
       };
       metrics << line.dump() << "\n" << std::flush;
     }
-    if (!tc.snapshot_dir.empty()) {
-      if (absl::Status s = write_snapshot(tc.snapshot_dir); !s.ok()) return s;
+    if (!snapshot_dir.empty()) {
+      if (absl::Status s = write_snapshot(snapshot_dir); !s.ok()) return s;
     }
     const bool periodic = tc.checkpoint_every > 0 && stats->step % tc.checkpoint_every == 0;
-    if (!tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
+    if (rank0 && !tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
       const std::string dir = checkpoint_step_dir(tc.checkpoint_dir, stats->step);
       if (absl::Status s = save_checkpoint(dir); !s.ok()) return s;
       log << "checkpoint " << dir << std::endl;

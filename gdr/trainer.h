@@ -3,7 +3,9 @@
 // One optimizer step (train_step):
 //   for m in 1..M (M = train.grad_accum): take data.micro_batch_size windows of seq_len + 1
 //     tokens, loss_m = causal_lm_loss(model(window), window) (seq_len next-token predictions
-//     per window, see models/qwen/model.h), backward of loss_m / M;
+//     per window, see models/qwen/model.h), backward of loss_m / (W * M) (W ranks, 1 without
+//     data parallelism); the microbatch gradients (widened to FP32) are added up by the
+//     fixed tree of Note [Gradient reduction tree] (gdr/distributed.h), across ranks too;
 //   grad_norm = global L2 norm of all gradients; clip to optimizer.grad_clip (when > 0) by
 //     one host-side scale factor;
 //   NaN/Inf in any loss_m or in grad_norm: stop with an error naming the step
@@ -46,6 +48,7 @@
 namespace gdr {
 
 class QwenForCausalLMImpl;
+class ProcessGroup;
 
 struct StepStats {
   int64_t step = 0;  // 1-based number of the step just taken
@@ -70,7 +73,22 @@ std::string format_progress_line(const StepStats& stats, int64_t total_steps);
 class Trainer {
  public:
   // Applies deterministic mode, opens the data, builds and initialises the model.
-  static absl::StatusOr<std::unique_ptr<Trainer>> create(const RunConfig& config);
+  //
+  // Data parallelism (`group` with world size W > 1, gdr/distributed.h): every rank reads
+  // the same global window order; a step consumes W * grad_accum microbatches of
+  // micro_batch_size windows, global microbatches r * grad_accum .. (r + 1) * grad_accum - 1
+  // going to rank r (contiguous, so that the reduction tree does not depend on W), and the
+  // data position is the same on every rank. The gradients are summed over ranks after the
+  // accumulation steps, before the norm and clipping (Note [Gradient reduction tree]); the
+  // step's losses are all W * grad_accum microbatch losses in global order, so every rank
+  // computes the same step, and with grad_accum a power of two the same step as one
+  // process with grad_accum W times larger. create() refuses, on every rank, a config
+  // whose hash (sha256 of config_text) differs between ranks, and initial parameters whose
+  // checksum differs. Only rank 0 prints progress and writes metrics and checkpoints;
+  // snapshots are written by every rank, rank r > 0 to `<snapshot_dir>.rank<r>`, so the
+  // ranks' states can be compared. Optimizer state is replicated (sharding is a later step).
+  static absl::StatusOr<std::unique_ptr<Trainer>> create(
+      const RunConfig& config, std::shared_ptr<ProcessGroup> group = nullptr);
   ~Trainer();
 
   // Loads a checkpoint: `dir` is a step directory or a checkpoint_dir (its latest complete

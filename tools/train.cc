@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "gdr/distributed.h"
 #include "gdr/run_config.h"
 #include "gdr/trainer.h"
 
@@ -34,6 +35,9 @@ constexpr char kUsage[] =
     "                  train.steps when schedule.total_steps fixes the schedule's end)\n"
     "  --help          this text\n"
     "Relative paths are taken from the directory `bazel run` was started in.\n"
+    "Data parallel: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and\n"
+    "MASTER_PORT set (torchrun's variables; tools/launch.sh N does it on one machine);\n"
+    "GDR_DIST_TIMEOUT_S (default 60) bounds every wait for the other ranks.\n"
     "Exit status: 0 done, 1 training failed, 2 bad input.\n";
 
 int fail(int code, absl::string_view message) {
@@ -76,12 +80,23 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<gdr::RunConfig> config = gdr::load_run_config(config_path, overrides);
   if (!config.ok()) return fail(2, config.status().message());
-  absl::StatusOr<std::unique_ptr<gdr::Trainer>> trainer = gdr::Trainer::create(*config);
+  absl::StatusOr<gdr::DistEnv> dist = gdr::read_dist_env();
+  if (!dist.ok()) return fail(2, dist.status().message());
+  std::shared_ptr<gdr::ProcessGroup> group;
+  if (dist->world_size > 1) {
+    absl::StatusOr<std::unique_ptr<gdr::ProcessGroup>> g =
+        gdr::ProcessGroup::create(*dist, config->train.device == gdr::TrainDevice::kCuda);
+    if (!g.ok()) return fail(2, g.status().message());
+    group = std::move(*g);
+  }
+  absl::StatusOr<std::unique_ptr<gdr::Trainer>> trainer = gdr::Trainer::create(*config, group);
   if (!trainer.ok()) return fail(2, trainer.status().message());
   if (!resume.empty()) {
     if (absl::Status s = (*trainer)->resume(resume, allow_config_change); !s.ok())
       return fail(2, s.message());
-    std::cout << "resumed from " << resume << " at step " << (*trainer)->step() << std::endl;
+    if (dist->rank == 0) {
+      std::cout << "resumed from " << resume << " at step " << (*trainer)->step() << std::endl;
+    }
   }
   if (absl::Status s = (*trainer)->run(std::cout); !s.ok()) return fail(1, s.message());
   return 0;

@@ -1,0 +1,319 @@
+#include "gdr/distributed.h"
+
+#include <ATen/ATen.h>
+#include <torch/headeronly/version.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+// Note [Gloo without gloo headers]: libtorch_cpu.so contains c10d's ProcessGroupGloo, but
+// the libtorch distribution ships no gloo/ headers, which ProcessGroupGloo.hpp includes. We
+// declare the three entry points we call, with the exact signatures libtorch exports, and
+// use the object only through its c10d::Backend base (whose header is self-contained):
+//   ProcessGroupGloo::Options::create_default(timeout)  (reads GLOO_SOCKET_IFNAME)
+//   ProcessGroupGloo::ProcessGroupGloo(store, rank, size, options)
+//   ProcessGroupGloo::~ProcessGroupGloo()
+// Our declaration does not know sizeof(ProcessGroupGloo) (488 bytes in libtorch 2.11, read
+// from its deleting destructor), so the object is constructed by placement new into a
+// block of kGlooObjectBytes from ::operator new; the library's deleting destructor frees it
+// with ::operator delete. Options objects come only from create_default and are destroyed
+// through their virtual destructor. Replace this with #include
+// <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp> once gloo headers are available.
+static_assert(TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 11,
+              "Note [Gloo without gloo headers]: check the declarations below and "
+              "sizeof(c10d::ProcessGroupGloo) against this libtorch before changing the "
+              "version here");
+namespace c10d {
+class ProcessGroupGloo : public Backend {
+ public:
+  struct Options : public Backend::Options {
+    static c10::intrusive_ptr<Options> create_default(std::chrono::milliseconds timeout);
+  };
+  ProcessGroupGloo(const c10::intrusive_ptr<Store>& store, int rank, int size,
+                   c10::intrusive_ptr<Options> options);
+  ~ProcessGroupGloo() override;
+};
+}  // namespace c10d
+
+namespace gdr {
+namespace {
+
+constexpr size_t kGlooObjectBytes = 4096;  // >= sizeof(c10d::ProcessGroupGloo) (488)
+static_assert(kGlooObjectBytes >= 488);
+
+absl::StatusOr<int64_t> parse_int(const char* name, const char* text) {
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(text, &v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected an integer but got '", text, "'"));
+  }
+  return v;
+}
+
+// One line: c10::Error's what() carries a C++ backtrace.
+std::string error_text(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
+absl::StatusOr<DistEnv> read_dist_env(EnvGetter get) {
+  if (get == nullptr) get = [](const char* n) -> const char* { return std::getenv(n); };
+  auto value = [&](const char* name) -> const char* {
+    const char* v = get(name);
+    return (v != nullptr && *v != '\0') ? v : nullptr;
+  };
+  DistEnv env;
+  if (const char* t = value("GDR_DIST_TIMEOUT_S")) {
+    absl::StatusOr<int64_t> s = parse_int("GDR_DIST_TIMEOUT_S", t);
+    if (!s.ok()) return s.status();
+    if (*s <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("GDR_DIST_TIMEOUT_S: expected a positive number of seconds but got ", *s));
+    }
+    env.timeout = std::chrono::milliseconds(*s * 1000);
+  }
+  const char* ws = value("WORLD_SIZE");
+  if (ws == nullptr) {
+    if (value("RANK") != nullptr) {
+      return absl::InvalidArgumentError("WORLD_SIZE: not set, but RANK is");
+    }
+    return env;
+  }
+  absl::StatusOr<int64_t> world = parse_int("WORLD_SIZE", ws);
+  if (!world.ok()) return world.status();
+  if (*world < 1 || *world > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WORLD_SIZE: expected 1..65536 but got ", *world));
+  }
+  env.world_size = static_cast<int>(*world);
+  const char* rank = value("RANK");
+  if (rank == nullptr && env.world_size > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RANK: not set, but WORLD_SIZE is ", env.world_size));
+  }
+  if (rank != nullptr) {
+    absl::StatusOr<int64_t> r = parse_int("RANK", rank);
+    if (!r.ok()) return r.status();
+    if (*r < 0 || *r >= env.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("RANK: ", *r, " is outside 0..",
+                                                     env.world_size - 1, " (WORLD_SIZE ",
+                                                     env.world_size, ")"));
+    }
+    env.rank = static_cast<int>(*r);
+  }
+  if (const char* lr = value("LOCAL_RANK")) {
+    absl::StatusOr<int64_t> l = parse_int("LOCAL_RANK", lr);
+    if (!l.ok()) return l.status();
+    if (*l < 0) return absl::InvalidArgumentError(absl::StrCat("LOCAL_RANK: negative: ", *l));
+    env.local_rank = static_cast<int>(*l);
+  }
+  if (const char* addr = value("MASTER_ADDR")) env.master_addr = addr;
+  const char* port = value("MASTER_PORT");
+  if (port == nullptr) {
+    if (env.world_size > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MASTER_PORT: not set, but WORLD_SIZE is ", env.world_size));
+    }
+  } else {
+    absl::StatusOr<int64_t> p = parse_int("MASTER_PORT", port);
+    if (!p.ok()) return p.status();
+    if (*p < 1 || *p > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MASTER_PORT: expected 1..65535 but got ", *p));
+    }
+    env.master_port = static_cast<int>(*p);
+  }
+  return env;
+}
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;      // "gdr/" keys: exchange()
+  c10::intrusive_ptr<c10d::Backend> backend;  // Gloo
+  int64_t exchanges = 0;
+};
+
+ProcessGroup::ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl)
+    : env_(std::move(env)), impl_(std::move(impl)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const DistEnv& env, bool cuda) {
+  if (cuda) {
+    return absl::UnimplementedError(
+        "data parallelism on CUDA (the NCCL backend) is not built yet; use train.device: cpu "
+        "(Gloo) or one process");
+  }
+  const std::string where = absl::StrCat(env.master_addr, ":", env.master_port);
+  const std::string timeout_s = absl::StrCat(env.timeout.count() / 1000.0, " s");
+  auto impl = std::make_unique<Impl>();
+  c10::intrusive_ptr<c10d::Store> tcp;
+  try {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<uint16_t>(env.master_port);
+    options.isServer = env.rank == 0;
+    options.numWorkers = env.world_size;
+    options.waitWorkers = true;
+    options.timeout = env.timeout;
+    tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env.rank, ": rendezvous at ", where,
+                                               " failed within ", timeout_s, ": ", error_text(e)));
+  }
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("gdr/", tcp);
+  try {
+    // Loopback unless told otherwise: the default (the address the hostname resolves to)
+    // may be unroutable on single-host machines.
+    c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options;
+    {
+      static std::mutex env_mutex;  // setenv/getenv are not thread-safe
+      std::lock_guard<std::mutex> lock(env_mutex);
+      if (std::getenv("GLOO_SOCKET_IFNAME") == nullptr &&
+          (env.master_addr == "127.0.0.1" || env.master_addr == "localhost")) {
+        setenv("GLOO_SOCKET_IFNAME", "lo", 0);
+      }
+      options = c10d::ProcessGroupGloo::Options::create_default(env.timeout);
+    }
+    void* memory = ::operator new(kGlooObjectBytes);
+    c10d::ProcessGroupGloo* gloo = nullptr;
+    try {
+      gloo = new (memory) c10d::ProcessGroupGloo(
+          c10::make_intrusive<c10d::PrefixStore>("gloo/", tcp), env.rank, env.world_size, options);
+    } catch (...) {
+      ::operator delete(memory);
+      throw;
+    }
+    impl->backend = c10::intrusive_ptr<c10d::Backend>::unsafe_steal_from_new(gloo);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env.rank, ": Gloo process group at ", where,
+                                               " failed within ", timeout_s, ": ", error_text(e)));
+  }
+  return std::unique_ptr<ProcessGroup>(new ProcessGroup(env, std::move(impl)));
+}
+
+absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::string& key,
+                                                                const std::string& value) {
+  const std::string prefix = absl::StrCat(key, "/", impl_->exchanges++, "/");
+  std::vector<std::string> out;
+  try {
+    impl_->store->set(absl::StrCat(prefix, env_.rank), value);
+    for (int r = 0; r < env_.world_size; ++r) {
+      std::vector<uint8_t> bytes = impl_->store->get(absl::StrCat(prefix, r));
+      out.emplace_back(bytes.begin(), bytes.end());
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": exchanging ", key,
+                                               " with the other ranks failed: ", error_text(e)));
+  }
+  return out;
+}
+
+void PairwiseSum::add(std::vector<at::Tensor> leaf) {
+  at::NoGradGuard no_grad;
+  stack_.emplace_back(1, std::move(leaf));
+  while (stack_.size() >= 2 && stack_[stack_.size() - 1].first == stack_[stack_.size() - 2].first) {
+    auto newer = std::move(stack_.back());
+    stack_.pop_back();
+    auto& older = stack_.back();
+    for (size_t i = 0; i < older.second.size(); ++i) older.second[i].add_(newer.second[i]);
+    older.first += newer.first;
+  }
+}
+
+std::vector<at::Tensor> PairwiseSum::finish() {
+  at::NoGradGuard no_grad;
+  while (stack_.size() >= 2) {
+    auto newer = std::move(stack_.back());
+    stack_.pop_back();
+    auto& older = stack_.back();
+    for (size_t i = 0; i < older.second.size(); ++i) older.second[i].add_(newer.second[i]);
+    older.first += newer.first;
+  }
+  std::vector<at::Tensor> out;
+  if (!stack_.empty()) out = std::move(stack_.back().second);
+  stack_.clear();
+  return out;
+}
+
+absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors,
+                                          const std::vector<double>& extra,
+                                          std::vector<std::vector<double>>* gathered_extra) {
+  const int world = env_.world_size;
+  try {
+    at::NoGradGuard no_grad;
+    auto allgather = [&](const at::Tensor& input) {
+      std::vector<at::Tensor> inputs{input};
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int r = 0; r < world; ++r) outputs[0].push_back(at::empty_like(input));
+      impl_->backend->allgather(outputs, inputs)->wait();
+      return outputs[0];
+    };
+    if (gathered_extra != nullptr) {
+      std::vector<at::Tensor> got =
+          allgather(at::tensor(extra, at::kDouble).reshape({static_cast<int64_t>(extra.size())}));
+      gathered_extra->clear();
+      for (const at::Tensor& t : got) {
+        const double* p = t.data_ptr<double>();
+        gathered_extra->emplace_back(p, p + t.numel());
+      }
+    }
+    // Buckets: consecutive tensors in the given order, closed before one would overflow
+    // kBucketElements (a tensor larger than that is a bucket of its own).
+    size_t begin = 0;
+    while (begin < tensors.size()) {
+      size_t end = begin;
+      int64_t elements = 0;
+      while (end < tensors.size() &&
+             (end == begin || elements + tensors[end].numel() <= kBucketElements)) {
+        elements += tensors[end].numel();
+        ++end;
+      }
+      std::vector<at::Tensor> flat;
+      for (size_t i = begin; i < end; ++i) {
+        TORCH_CHECK(tensors[i].scalar_type() == at::kFloat && tensors[i].device().is_cpu(),
+                    "all_reduce_sum: tensor ", i, " is not FP32 on the CPU");
+        flat.push_back(tensors[i].reshape({-1}));
+      }
+      std::vector<at::Tensor> got = allgather(at::cat(flat));
+      PairwiseSum tree;
+      for (int r = 0; r < world; ++r) tree.add({got[r]});
+      const at::Tensor sum = tree.finish()[0];
+      int64_t offset = 0;
+      for (size_t i = begin; i < end; ++i) {
+        const int64_t n = tensors[i].numel();
+        tensors[i].copy_(sum.narrow(0, offset, n).view(tensors[i].sizes()));
+        offset += n;
+      }
+      begin = end;
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", env_.rank, " of ", world,
+                     ": gradient all-reduce failed (a peer died, or did not answer within the "
+                     "timeout, GDR_DIST_TIMEOUT_S): ",
+                     error_text(e)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status check_same_on_all_ranks(ProcessGroup& group, const std::string& what,
+                                     const std::string& value) {
+  absl::StatusOr<std::vector<std::string>> all = group.exchange(what, value);
+  if (!all.ok()) return all.status();
+  for (int r = 1; r < group.world_size(); ++r) {
+    if ((*all)[r] != (*all)[0]) {
+      return absl::FailedPreconditionError(absl::StrCat(what, " differs between ranks: rank 0 ",
+                                                        (*all)[0], ", rank ", r, " ", (*all)[r]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gdr

@@ -1,0 +1,115 @@
+// Distributed data parallelism on libtorch's c10d: ranks from torchrun's environment, a
+// TCPStore rendezvous and a Gloo process group (CPU), and the few collectives the trainer
+// needs, each with a fixed reduction order.
+//
+// Environment (as torchrun sets it): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+// None of them set (or WORLD_SIZE=1) means one process and no process group. Optional:
+// GDR_DIST_TIMEOUT_S (seconds, default 60): every store wait and every collective gives up
+// after it, so a dead or hung peer ends the others with an error instead of a hang. (It must
+// also cover the longest time one rank works alone: rank 0 writing a checkpoint while the
+// others wait in the next step's reduction.) A process that dies closes its sockets, so
+// the others usually fail at once; a hung one is caught by the timeout.
+//
+// Note [Gradient reduction tree]: the gradient of a step is a sum over the step's
+// N = W * M microbatches (M = train.grad_accum) in global order k = 0 .. N-1, each leaf the
+// gradient of loss_k / N, added up by one fixed tree: PairwiseSum (below) over the leaves
+// in order. Rank r holds the contiguous leaves r*M .. r*M + M-1 and sums them with the same
+// PairwiseSum; all_reduce_sum then combines the W partial sums with PairwiseSum in rank
+// order. When M is a power of two the rank subtrees are exactly subtrees of the global tree,
+// so the result does not depend on how the N microbatches are split over ranks: DP=1 with
+// grad_accum N and DP=W with grad_accum N/W give the same bits (tests/gdr/distributed_test.sh
+// checks DP=1 x 4 against DP=2 x 2). Never a transport-ordered all-reduce: gradients are
+// flattened in parameter order into FP32 buckets (boundaries a pure function of the shapes),
+// each bucket is all-gathered, and every rank adds the W copies by the tree itself, so all
+// ranks compute the same bits and reruns are byte-identical. Costs: W times a bucket in
+// memory, up to log2(M) + 1 gradient copies while accumulating, no overlap with backward
+// (a later step; so are NCCL and sharded optimizer state).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace gdr {
+
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::chrono::milliseconds timeout{60000};
+};
+
+// Reads the variables above through `get` (std::getenv by default; tests pass their own).
+// InvalidArgument naming the variable for a non-integer, WORLD_SIZE < 1, RANK outside
+// [0, WORLD_SIZE), a missing RANK or MASTER_PORT when WORLD_SIZE > 1, a port outside
+// 1..65535, or GDR_DIST_TIMEOUT_S <= 0.
+using EnvGetter = const char* (*)(const char*);
+absl::StatusOr<DistEnv> read_dist_env(EnvGetter get = nullptr);
+
+class ProcessGroup {
+ public:
+  // Rendezvous through a TCPStore at master_addr:master_port (rank 0 serves it) and a Gloo
+  // process group over it. Unavailable (naming the address and timeout) when peers do not
+  // arrive in time. `cuda`: the NCCL backend, not built yet (Unimplemented).
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> create(const DistEnv& env, bool cuda);
+  ~ProcessGroup();
+
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+
+  // Every rank publishes `value` under `key`; all ranks get all values, in rank order.
+  // Through the store: for small start-up data (config text, checksums), not tensors.
+  absl::StatusOr<std::vector<std::string>> exchange(const std::string& key,
+                                                    const std::string& value);
+
+  // In place: each tensor becomes the sum over ranks, added by PairwiseSum in rank order
+  // (Note [Gradient reduction tree]). Tensors must be FP32 and on the CPU, and be the same
+  // shapes in the same order on every rank. `extra` (e.g. per-rank losses) is gathered alongside:
+  // on return
+  // (*gathered_extra)[r] is rank r's `extra`. Errors (a peer died, timed out) are
+  // Unavailable naming the rank and the cause.
+  absl::Status all_reduce_sum(const std::vector<at::Tensor>& tensors,
+                              const std::vector<double>& extra = {},
+                              std::vector<std::vector<double>>* gathered_extra = nullptr);
+
+  // Elements per FP32 bucket (64 MiB).
+  static constexpr int64_t kBucketElements = int64_t{16} << 20;
+
+ private:
+  struct Impl;
+  ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl);
+  DistEnv env_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Pairwise summation of lists of tensors (e.g. one gradient per parameter), the fixed tree of
+// Note [Gradient reduction tree]: leaves are pushed in order; whenever the two newest
+// partial sums cover equally many leaves they are merged (older += newer), as in a binary
+// counter; finish() merges what is left, newest into older. For 2^j leaves this is the
+// complete binary tree. add() takes ownership of the tensors and adds into them in place.
+class PairwiseSum {
+ public:
+  void add(std::vector<at::Tensor> leaf);
+  // The sum; empty when nothing was added.
+  std::vector<at::Tensor> finish();
+
+ private:
+  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> stack_;  // (leaves, partial sum)
+};
+
+// Start-up agreement, every rank calling with its own value: OK when all ranks' values are
+// equal, else FailedPrecondition on every rank, "<what> differs between ranks: rank 0 <v0>,
+// rank R <vR>" (the first rank that differs from rank 0).
+absl::Status check_same_on_all_ranks(ProcessGroup& group, const std::string& what,
+                                     const std::string& value);
+
+}  // namespace gdr

@@ -1,0 +1,176 @@
+// gdr/distributed.h in one process: the rank environment's checks, the PairwiseSum tree,
+// and two ranks (threads) of a real TCPStore + Gloo group on loopback: all_reduce_sum
+// sums by the tree, gathers the extras, and check_same_on_all_ranks refuses a difference
+// on both ranks. The multi-process, end-to-end checks are in distributed_test.sh.
+#include "gdr/distributed.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <thread>
+
+namespace gdr {
+namespace {
+
+std::map<std::string, std::string> g_env;
+const char* fake_getenv(const char* name) {
+  auto it = g_env.find(name);
+  return it == g_env.end() ? nullptr : it->second.c_str();
+}
+
+absl::Status env_status(std::map<std::string, std::string> env) {
+  g_env = std::move(env);
+  return read_dist_env(fake_getenv).status();
+}
+
+TEST(DistEnvTest, NothingSetIsOneProcess) {
+  g_env.clear();
+  absl::StatusOr<DistEnv> env = read_dist_env(fake_getenv);
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->world_size, 1);
+  EXPECT_EQ(env->rank, 0);
+  EXPECT_EQ(env->timeout, std::chrono::milliseconds(60000));
+}
+
+TEST(DistEnvTest, ReadsTorchrunVariables) {
+  g_env = {{"RANK", "3"},
+           {"WORLD_SIZE", "4"},
+           {"LOCAL_RANK", "1"},
+           {"MASTER_ADDR", "node0"},
+           {"MASTER_PORT", "29500"},
+           {"GDR_DIST_TIMEOUT_S", "7"}};
+  absl::StatusOr<DistEnv> env = read_dist_env(fake_getenv);
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->rank, 3);
+  EXPECT_EQ(env->world_size, 4);
+  EXPECT_EQ(env->local_rank, 1);
+  EXPECT_EQ(env->master_addr, "node0");
+  EXPECT_EQ(env->master_port, 29500);
+  EXPECT_EQ(env->timeout, std::chrono::milliseconds(7000));
+}
+
+TEST(DistEnvTest, BadVariablesAreNamed) {
+  EXPECT_EQ(env_status({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).message(),
+            "RANK: 2 is outside 0..1 (WORLD_SIZE 2)");
+  EXPECT_EQ(env_status({{"RANK", "0"}, {"WORLD_SIZE", "2"}}).message(),
+            "MASTER_PORT: not set, but WORLD_SIZE is 2");
+  EXPECT_EQ(env_status({{"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).message(),
+            "RANK: not set, but WORLD_SIZE is 2");
+  EXPECT_EQ(env_status({{"RANK", "0"}, {"WORLD_SIZE", "two"}}).message(),
+            "WORLD_SIZE: expected an integer but got 'two'");
+  EXPECT_EQ(env_status({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}).message(),
+            "MASTER_PORT: expected an integer but got 'http'");
+  EXPECT_EQ(env_status({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}).message(),
+            "MASTER_PORT: expected 1..65535 but got 70000");
+  EXPECT_EQ(env_status({{"GDR_DIST_TIMEOUT_S", "0"}}).message(),
+            "GDR_DIST_TIMEOUT_S: expected a positive number of seconds but got 0");
+  EXPECT_EQ(env_status({{"RANK", "0"}}).message(), "WORLD_SIZE: not set, but RANK is");
+}
+
+// 1e8 + 1 == 1e8 in FP32, so the tree shape decides the result: the left fold
+// ((1e8 + 1) - 1e8) + 1 gives 1, the pairwise tree (1e8 + 1) + (-1e8 + 1) gives 0.
+std::vector<float> kLeaves = {1e8f, 1.0f, -1e8f, 1.0f};
+
+TEST(PairwiseSumTest, FourLeavesAreTheBalancedTree) {
+  PairwiseSum tree;
+  for (float v : kLeaves) tree.add({at::full({1}, v)});
+  EXPECT_EQ(tree.finish()[0].item<float>(), 0.0f);
+  PairwiseSum three;
+  for (int i = 0; i < 3; ++i) three.add({at::full({1}, kLeaves[i])});
+  EXPECT_EQ(three.finish()[0].item<float>(), 0.0f);  // (1e8 + 1) - 1e8
+  EXPECT_TRUE(PairwiseSum().finish().empty());
+}
+
+TEST(PairwiseSumTest, TwoHalvesCombinedEqualTheWhole) {
+  PairwiseSum halves[2], outer;
+  for (int i = 0; i < 4; ++i) halves[i / 2].add({at::full({2}, kLeaves[i])});
+  for (PairwiseSum& h : halves) outer.add(h.finish());
+  PairwiseSum whole;
+  for (float v : kLeaves) whole.add({at::full({2}, v)});
+  EXPECT_TRUE(at::equal(outer.finish()[0], whole.finish()[0]));
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Runs `body(group)` on two ranks (threads) of one Gloo group.
+template <typename Body>
+void on_two_ranks(Body body) {
+  const int port = free_port();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      DistEnv env;
+      env.rank = r;
+      env.world_size = 2;
+      env.master_port = port;
+      env.timeout = std::chrono::milliseconds(20000);
+      absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::create(env, false);
+      ASSERT_TRUE(group.ok()) << group.status();
+      body(**group);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(ProcessGroupTest, AllReduceSumsByTheTreeAndGathersExtras) {
+  std::vector<at::Tensor> results(2);
+  std::vector<std::vector<std::vector<double>>> extras(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    // Rank r holds the partial sum of its two leaves, as the trainer does.
+    PairwiseSum mine;
+    for (int i = 2 * r; i < 2 * r + 2; ++i) mine.add({at::full({3}, kLeaves[i])});
+    std::vector<at::Tensor> grads = mine.finish();
+    grads.push_back(at::full({2, 2}, static_cast<float>(r + 1)));
+    absl::Status s = group.all_reduce_sum(grads, {r + 0.5, r + 0.25}, &extras[r]);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(grads[0][0].item<float>(), 0.0f);
+    EXPECT_TRUE(at::equal(grads[1], at::full({2, 2}, 3.0f)));
+    results[r] = grads[0];
+  });
+  ASSERT_TRUE(results[0].defined() && results[1].defined());
+  EXPECT_TRUE(at::equal(results[0], results[1]));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(extras[r], (std::vector<std::vector<double>>{{0.5, 0.25}, {1.5, 1.25}}));
+  }
+}
+
+TEST(ProcessGroupTest, DifferentValuesAreRefusedOnEveryRank) {
+  std::vector<absl::Status> same(2), differ(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    same[group.rank()] = check_same_on_all_ranks(group, "config hash", "abc");
+    differ[group.rank()] =
+        check_same_on_all_ranks(group, "config hash", group.rank() == 0 ? "abc" : "abd");
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(same[r].ok()) << same[r];
+    EXPECT_EQ(differ[r].code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(differ[r].message(), "config hash differs between ranks: rank 0 abc, rank 1 abd");
+  }
+}
+
+TEST(ProcessGroupTest, CudaIsNotBuiltYet) {
+  DistEnv env;
+  env.world_size = 2;
+  env.master_port = 1;
+  EXPECT_EQ(ProcessGroup::create(env, true).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace gdr
