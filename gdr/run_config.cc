@@ -28,25 +28,17 @@ absl::Status key_error(const std::string& file, absl::string_view key, absl::str
   return absl::InvalidArgumentError(absl::StrCat(file, ": ", key, ": ", problem));
 }
 
-std::string describe(const YAML::Node& node) {
-  if (!node.IsDefined() || node.IsNull()) return "null";
-  if (node.IsSequence()) return "a list";
-  if (node.IsMap()) return "a mapping";
-  return absl::StrCat("'", node.Scalar(), "'");
-}
-
-// A quoted scalar ("64") is a string, not a number: see the same rule in models/qwen/config.cc.
-bool is_plain_scalar(const YAML::Node& node) {
-  return node.IsDefined() && node.IsScalar() && node.Tag() != "!";
-}
+using io::describe_yaml_node;
+using io::is_plain_yaml_scalar;
 
 template <typename T>
 absl::Status read_plain(const YAML::Node& node, const std::string& key, const std::string& file,
                         absl::string_view expected, T* out) {
   auto wrong = [&] {
-    return key_error(file, key, absl::StrCat("expected ", expected, " but got ", describe(node)));
+    return key_error(file, key,
+                     absl::StrCat("expected ", expected, " but got ", describe_yaml_node(node)));
   };
-  if (!is_plain_scalar(node)) return wrong();
+  if (!is_plain_yaml_scalar(node)) return wrong();
   try {
     *out = node.as<T>();
   } catch (const YAML::Exception&) {
@@ -92,7 +84,8 @@ Field string_field(const char* section, const char* name, std::string& (*get)(Ru
   return {section, name,
           [get](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {
             if (!n.IsDefined() || !n.IsScalar()) {
-              return key_error(f, k, absl::StrCat("expected a string but got ", describe(n)));
+              return key_error(f, k,
+                               absl::StrCat("expected a string but got ", describe_yaml_node(n)));
             }
             get(c) = n.Scalar();
             return absl::OkStatus();
@@ -110,7 +103,8 @@ Field choice_field(const char* section, const char* name, std::vector<std::strin
                          RunConfig& c) {
             const std::string expected = absl::StrCat("one of ", absl::StrJoin(names, ", "));
             if (!n.IsDefined() || !n.IsScalar()) {
-              return key_error(f, k, absl::StrCat("expected ", expected, " but got ", describe(n)));
+              return key_error(
+                  f, k, absl::StrCat("expected ", expected, " but got ", describe_yaml_node(n)));
             }
             for (size_t i = 0; i < names.size(); ++i) {
               if (n.Scalar() == names[i]) {
@@ -118,7 +112,8 @@ Field choice_field(const char* section, const char* name, std::vector<std::strin
                 return absl::OkStatus();
               }
             }
-            return key_error(f, k, absl::StrCat("expected ", expected, " but got ", describe(n)));
+            return key_error(
+                f, k, absl::StrCat("expected ", expected, " but got ", describe_yaml_node(n)));
           },
           [names, index](RunConfig& c) { return names[index(c)]; }};
 }
@@ -140,8 +135,9 @@ const std::vector<Field>& run_fields() {
       {"optimizer", "betas",
        [](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {
          if (!n.IsSequence() || n.size() != 2) {
-           return key_error(f, k,
-                            absl::StrCat("expected a list of two numbers but got ", describe(n)));
+           return key_error(
+               f, k,
+               absl::StrCat("expected a list of two numbers but got ", describe_yaml_node(n)));
          }
          if (absl::Status s = read_plain(n[0], k + "[0]", f, "a number", &c.optimizer.beta1);
              !s.ok()) {
@@ -331,7 +327,7 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
   YAML::Node root = *loaded;
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected a mapping of sections but got ", describe(root)));
+        absl::StrCat(path, ": expected a mapping of sections but got ", describe_yaml_node(root)));
   }
   bool model_overridden = false;
   for (const ConfigOverride& o : overrides) {
@@ -360,8 +356,9 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
     if (!is_section(name)) return key_error(path, name, "unknown section");
     if (name == "model") continue;
     if (!section.second.IsMap()) {
-      return key_error(path, name,
-                       absl::StrCat("expected a mapping but got ", describe(section.second)));
+      return key_error(
+          path, name,
+          absl::StrCat("expected a mapping but got ", describe_yaml_node(section.second)));
     }
     for (const auto& item : section.second) {
       const std::string key = item.first.as<std::string>();

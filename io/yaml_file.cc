@@ -15,4 +15,15 @@ absl::StatusOr<YAML::Node> load_yaml_file(const std::string& path) {
   }
 }
 
+std::string describe_yaml_node(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return "null";
+  if (node.IsSequence()) return "a list";
+  if (node.IsMap()) return "a mapping";
+  return absl::StrCat("'", node.Scalar(), "'");
+}
+
+bool is_plain_yaml_scalar(const YAML::Node& node) {
+  return node.IsDefined() && node.IsScalar() && node.Tag() != "!";
+}
+
 }  // namespace gdr::io

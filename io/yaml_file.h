@@ -15,4 +15,11 @@ namespace gdr::io {
 // "<path>:<line>:<column>: parse error: <what>".
 absl::StatusOr<YAML::Node> load_yaml_file(const std::string& path);
 
+// How a node reads in an error message: "null", "a list", "a mapping" or "'<scalar>'".
+std::string describe_yaml_node(const YAML::Node& node);
+
+// A plain (unquoted) scalar. A quoted scalar ("64") carries the non-specific tag "!": it is
+// a string, not a number or a bool, even though yaml-cpp would convert it.
+bool is_plain_yaml_scalar(const YAML::Node& node);
+
 }  // namespace gdr::io

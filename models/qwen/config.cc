@@ -54,26 +54,17 @@ struct Source {
   }
 };
 
-std::string describe(const YAML::Node& node) {
-  if (!node.IsDefined() || node.IsNull()) return "null";
-  if (node.IsSequence()) return "a list";
-  if (node.IsMap()) return "a mapping";
-  return absl::StrCat("'", node.Scalar(), "'");
-}
-
-// A quoted scalar ("64") carries the non-specific tag "!": it is a string, not a number or
-// a bool, even though yaml-cpp would convert it.
-bool is_plain_scalar(const YAML::Node& node) {
-  return node.IsDefined() && node.IsScalar() && node.Tag() != "!";
-}
+using io::describe_yaml_node;
+using io::is_plain_yaml_scalar;
 
 template <typename T>
 absl::Status read_plain(const YAML::Node& node, absl::string_view key, const Source& source,
                         absl::string_view expected, T* out) {
   auto wrong = [&] {
-    return source.error(key, absl::StrCat("expected ", expected, " but got ", describe(node)));
+    return source.error(key,
+                        absl::StrCat("expected ", expected, " but got ", describe_yaml_node(node)));
   };
-  if (!is_plain_scalar(node)) return wrong();
+  if (!is_plain_yaml_scalar(node)) return wrong();
   try {
     *out = node.as<T>();
   } catch (const YAML::Exception&) {
@@ -100,7 +91,7 @@ absl::Status read_bool(const YAML::Node& node, absl::string_view key, const Sour
 absl::Status read_string(const YAML::Node& node, absl::string_view key, const Source& source,
                          std::string* out) {
   if (!node.IsDefined() || !node.IsScalar()) {
-    return source.error(key, absl::StrCat("expected a string but got ", describe(node)));
+    return source.error(key, absl::StrCat("expected a string but got ", describe_yaml_node(node)));
   }
   *out = node.Scalar();
   return absl::OkStatus();
@@ -109,7 +100,8 @@ absl::Status read_string(const YAML::Node& node, absl::string_view key, const So
 absl::Status read_string_list(const YAML::Node& node, absl::string_view key, const Source& source,
                               std::vector<std::string>* out) {
   if (!node.IsSequence()) {
-    return source.error(key, absl::StrCat("expected a list of strings but got ", describe(node)));
+    return source.error(
+        key, absl::StrCat("expected a list of strings but got ", describe_yaml_node(node)));
   }
   out->clear();
   for (size_t i = 0; i < node.size(); ++i) {
@@ -228,14 +220,15 @@ absl::Status read_hf_extra(const std::string& key, const YAML::Node& node, const
     if (!node.IsSequence() || node.size() != 0) {
       return source.error(key,
                           absl::StrCat("expected an empty list (gdr builds no MoE layers) but got ",
-                                       describe(node)));
+                                       describe_yaml_node(node)));
     }
     return absl::OkStatus();
   }
   if (key == "rope_parameters" || key == "rope_scaling") {
     if (node.IsNull()) return absl::OkStatus();
     if (!node.IsMap()) {
-      return source.error(key, absl::StrCat("expected a mapping but got ", describe(node)));
+      return source.error(key,
+                          absl::StrCat("expected a mapping but got ", describe_yaml_node(node)));
     }
     const Source nested{source.file, absl::StrCat(source.prefix, key, ".")};
     for (const auto& item : node) {
@@ -267,8 +260,9 @@ absl::Status read_hf_extra(const std::string& key, const YAML::Node& node, const
 
 absl::StatusOr<QwenConfig> parse_section(const YAML::Node& section, const Source& source, bool hf) {
   if (!section.IsMap()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source.file, ": expected a mapping of model settings but got ", describe(section)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source.file, ": expected a mapping of model settings but got ",
+                     describe_yaml_node(section)));
   }
   QwenConfig config;
   std::set<std::string> seen;
@@ -432,7 +426,7 @@ absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path) {
   if (!root.ok()) return root.status();
   if (!root->IsMap()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected a JSON object but got ", describe(*root)));
+        absl::StrCat(path, ": expected a JSON object but got ", describe_yaml_node(*root)));
   }
   // Composite (vision + text) checkpoints nest the text model; the rest of the top level
   // (vision_config, token ids ...) is not ours to read.
