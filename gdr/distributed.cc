@@ -7,11 +7,13 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
+#include <atomic>
 #include <mutex>
 #include <new>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gdr/distributed_backend.h"
 
 // Note [Gloo without gloo headers]: libtorch_cpu.so contains c10d's ProcessGroupGloo, but
 // the libtorch distribution ships no gloo/ headers, which ProcessGroupGloo.hpp includes. We
@@ -135,9 +137,18 @@ absl::StatusOr<DistEnv> read_dist_env(EnvGetter get) {
   return env;
 }
 
+namespace {
+std::atomic<NcclBackendFactory> nccl_backend_factory{nullptr};
+}  // namespace
+
+void register_nccl_backend_factory(NcclBackendFactory factory) {
+  nccl_backend_factory.store(factory);
+}
+
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;      // "gdr/" keys: exchange()
-  c10::intrusive_ptr<c10d::Backend> backend;  // Gloo
+  c10::intrusive_ptr<c10d::Backend> backend;  // Gloo (CPU tensors) or NCCL (CUDA tensors)
+  bool cuda = false;
   int64_t exchanges = 0;
 };
 
@@ -146,10 +157,11 @@ ProcessGroup::ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl)
 ProcessGroup::~ProcessGroup() = default;
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const DistEnv& env, bool cuda) {
-  if (cuda) {
+  const NcclBackendFactory make_nccl = nccl_backend_factory.load();
+  if (cuda && make_nccl == nullptr) {
     return absl::UnimplementedError(
-        "data parallelism on CUDA (the NCCL backend) is not built yet; use train.device: cpu "
-        "(Gloo) or one process");
+        "data parallelism on CUDA needs the NCCL backend, which this binary does not link "
+        "(//gdr:distributed_nccl; the CUDA trainer //tools:train_cuda has it)");
   }
   const std::string where = absl::StrCat(env.master_addr, ":", env.master_port);
   const std::string timeout_s = absl::StrCat(env.timeout.count() / 1000.0, " s");
@@ -168,6 +180,16 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const DistEnv
                                                " failed within ", timeout_s, ": ", error_text(e)));
   }
   impl->store = c10::make_intrusive<c10d::PrefixStore>("gdr/", tcp);
+  impl->cuda = cuda;
+  if (cuda) {
+    try {
+      impl->backend = make_nccl(tcp, env.rank, env.world_size, env.local_rank, env.timeout);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("rank ", env.rank, ": NCCL process group at ",
+                                                 where, " failed: ", error_text(e)));
+    }
+    return std::unique_ptr<ProcessGroup>(new ProcessGroup(env, std::move(impl)));
+  }
   try {
     // Loopback unless told otherwise: the default (the address the hostname resolves to)
     // may be unroutable on single-host machines.
@@ -255,11 +277,15 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       impl_->backend->allgather(outputs, inputs)->wait();
       return outputs[0];
     };
+    // NCCL moves CUDA tensors only; the all-gather is pure data movement either way, and
+    // the sum below runs on the tensors' device by the same tree.
+    const at::Device device = impl_->cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);
     if (gathered_extra != nullptr) {
-      std::vector<at::Tensor> got =
-          allgather(at::tensor(extra, at::kDouble).reshape({static_cast<int64_t>(extra.size())}));
+      std::vector<at::Tensor> got = allgather(
+          at::tensor(extra, at::kDouble).reshape({static_cast<int64_t>(extra.size())}).to(device));
       gathered_extra->clear();
-      for (const at::Tensor& t : got) {
+      for (const at::Tensor& t_any : got) {
+        const at::Tensor t = t_any.cpu();
         const double* p = t.data_ptr<double>();
         gathered_extra->emplace_back(p, p + t.numel());
       }
@@ -277,8 +303,11 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       }
       std::vector<at::Tensor> flat;
       for (size_t i = begin; i < end; ++i) {
-        TORCH_CHECK(tensors[i].scalar_type() == at::kFloat && tensors[i].device().is_cpu(),
-                    "all_reduce_sum: tensor ", i, " is not FP32 on the CPU");
+        TORCH_CHECK(tensors[i].scalar_type() == at::kFloat &&
+                        tensors[i].device().type() == device.type(),
+                    "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
+                    " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
+                    tensors[i].device());
         flat.push_back(tensors[i].reshape({-1}));
       }
       std::vector<at::Tensor> got = allgather(at::cat(flat));

@@ -1,5 +1,5 @@
 // Distributed data parallelism on libtorch's c10d: ranks from torchrun's environment, a
-// TCPStore rendezvous and a Gloo process group (CPU), and the few collectives the trainer
+// TCPStore rendezvous and a Gloo (CPU) or NCCL (CUDA) process group, and the few collectives the trainer
 // needs, each with a fixed reduction order.
 //
 // Environment (as torchrun sets it): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
@@ -23,7 +23,8 @@
 // each bucket is all-gathered, and every rank adds the W copies by the tree itself, so all
 // ranks compute the same bits and reruns are byte-identical. Costs: W times a bucket in
 // memory, up to log2(M) + 1 gradient copies while accumulating, no overlap with backward
-// (a later step; so are NCCL and sharded optimizer state).
+// (a later step; so is sharded optimizer state). With NCCL the all-gather is NCCL's (pure
+// data movement, so NCCL_ALGO does not matter) and the tree runs on the GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -59,7 +60,8 @@ class ProcessGroup {
  public:
   // Rendezvous through a TCPStore at master_addr:master_port (rank 0 serves it) and a Gloo
   // process group over it. Unavailable (naming the address and timeout) when peers do not
-  // arrive in time. `cuda`: the NCCL backend, not built yet (Unimplemented).
+  // arrive in time. `cuda`: a NCCL process group instead (the process binds CUDA device
+  // LOCAL_RANK first); Unimplemented when the binary does not link //gdr:distributed_nccl.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> create(const DistEnv& env, bool cuda);
   ~ProcessGroup();
 
@@ -72,7 +74,8 @@ class ProcessGroup {
                                                     const std::string& value);
 
   // In place: each tensor becomes the sum over ranks, added by PairwiseSum in rank order
-  // (Note [Gradient reduction tree]). Tensors must be FP32 and on the CPU, and be the same
+  // (Note [Gradient reduction tree]). Tensors must be FP32 on the group's device (CPU for Gloo, CUDA for
+  // NCCL), and be the same
   // shapes in the same order on every rank. `extra` (e.g. per-rank losses) is gathered alongside:
   // on return
   // (*gathered_extra)[r] is rank r's `extra`. Errors (a peer died, timed out) are

@@ -22,6 +22,16 @@ absl::Status apply_deterministic_mode(const QwenConfig& config) {
                      current, "\""));
   }
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  // Note [Uninitialized-memory fill]: with deterministic algorithms on, PyTorch also fills
+  // every at::empty() with NaN (or the dtype's max) by default: a guard against kernels that
+  // read memory they never wrote, paid as one extra fill kernel per allocation. Our training
+  // step is launch-bound, so that fill was most of deterministic mode's cost (issue 5).
+  // Every kernel on the training path writes all of its outputs, and the state-equality
+  // protocol (fresh-process reruns compared bit for bit) is what checks that, so the fill
+  // is off unless GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY=1 asks for it (debugging).
+  const char* fill = std::getenv(kDeterministicFillVar);
+  at::globalContext().setDeterministicFillUninitializedMemory(fill != nullptr &&
+                                                              std::string(fill) == "1");
   return absl::OkStatus();
 }
 

@@ -9,7 +9,10 @@
 //   - CUBLAS_WORKSPACE_CONFIG is pinned to ":4096:8" when unset, because cuBLAS is only
 //     reproducible with a fixed workspace. A value other than ":4096:8" or ":16:8" is an
 //     error (absl::FailedPreconditionError naming the variable and its value), not
-//     silently overridden: someone set it on purpose.
+//     silently overridden: someone set it on purpose;
+//   - PyTorch's fill of uninitialized memory (on by default with deterministic algorithms)
+//     is turned off unless GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY=1 (Note
+//     [Uninitialized-memory fill] in deterministic_mode.cc).
 // When false, nothing is changed (an earlier setting is left alone).
 // Call it once at start-up, before any CUDA/cuBLAS work: cuBLAS reads the variable when a
 // handle is created. Not thread-safe (setenv).
@@ -22,6 +25,7 @@ namespace gdr {
 
 inline constexpr char kCublasWorkspaceConfigVar[] = "CUBLAS_WORKSPACE_CONFIG";
 inline constexpr char kCublasWorkspaceConfigDefault[] = ":4096:8";
+inline constexpr char kDeterministicFillVar[] = "GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY";
 
 absl::Status apply_deterministic_mode(const QwenConfig& config);
 

@@ -20,7 +20,9 @@ class DeterministicMode : public ::testing::Test {
   void SetUp() override {
     unsetenv(kCublasWorkspaceConfigVar);
     unsetenv("GDR_DETERMINISTIC");
+    unsetenv(kDeterministicFillVar);
     at::globalContext().setDeterministicAlgorithms(false, false);
+    at::globalContext().setDeterministicFillUninitializedMemory(true);  // PyTorch's default
     config_.deterministic_mode = true;
   }
   void TearDown() override { at::globalContext().setDeterministicAlgorithms(false, false); }
@@ -39,6 +41,18 @@ TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndPinsTheCublasWorkspace) {
   EXPECT_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
   EXPECT_EQ(cublas_var(), ":4096:8");
   EXPECT_TRUE(use_deterministic_mode());  // gdr's ops follow the global switch
+}
+
+// Note [Uninitialized-memory fill]: off by default, on when asked.
+TEST_F(DeterministicMode, TurnsOffTheUninitializedMemoryFillUnlessAskedFor) {
+  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  EXPECT_FALSE(at::globalContext().deterministicFillUninitializedMemory());
+  setenv(kDeterministicFillVar, "1", 1);
+  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  EXPECT_TRUE(at::globalContext().deterministicFillUninitializedMemory());
+  // An empty tensor is then NaN-filled, as PyTorch documents.
+  EXPECT_TRUE(at::empty({4}, at::kFloat).isnan().all().item<bool>());
+  unsetenv(kDeterministicFillVar);
 }
 
 TEST_F(DeterministicMode, KeepsTheOtherAcceptedWorkspaceValue) {
