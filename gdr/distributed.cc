@@ -6,8 +6,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 
@@ -303,11 +303,11 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       }
       std::vector<at::Tensor> flat;
       for (size_t i = begin; i < end; ++i) {
-        TORCH_CHECK(tensors[i].scalar_type() == at::kFloat &&
-                        tensors[i].device().type() == device.type(),
-                    "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
-                    " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
-                    tensors[i].device());
+        TORCH_CHECK(
+            tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
+            "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
+            " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
+            tensors[i].device());
         flat.push_back(tensors[i].reshape({-1}));
       }
       std::vector<at::Tensor> got = allgather(at::cat(flat));

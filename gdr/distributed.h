@@ -1,6 +1,6 @@
 // Distributed data parallelism on libtorch's c10d: ranks from torchrun's environment, a
-// TCPStore rendezvous and a Gloo (CPU) or NCCL (CUDA) process group, and the few collectives the trainer
-// needs, each with a fixed reduction order.
+// TCPStore rendezvous and a Gloo (CPU) or NCCL (CUDA) process group, and the few collectives the
+// trainer needs, each with a fixed reduction order.
 //
 // Environment (as torchrun sets it): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 // None of them set (or WORLD_SIZE=1) means one process and no process group. Optional:
@@ -74,10 +74,9 @@ class ProcessGroup {
                                                     const std::string& value);
 
   // In place: each tensor becomes the sum over ranks, added by PairwiseSum in rank order
-  // (Note [Gradient reduction tree]). Tensors must be FP32 on the group's device (CPU for Gloo, CUDA for
-  // NCCL), and be the same
-  // shapes in the same order on every rank. `extra` (e.g. per-rank losses) is gathered alongside:
-  // on return
+  // (Note [Gradient reduction tree]). Tensors must be FP32 on the group's device (CPU for Gloo,
+  // CUDA for NCCL), and be the same shapes in the same order on every rank. `extra` (e.g. per-rank
+  // losses) is gathered alongside: on return
   // (*gathered_extra)[r] is rank r's `extra`. Errors (a peer died, timed out) are
   // Unavailable naming the rank and the cause.
   absl::Status all_reduce_sum(const std::vector<at::Tensor>& tensors,
