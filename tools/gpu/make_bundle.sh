@@ -36,7 +36,7 @@ copy_target() {  # label dest_dir
 for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
 for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
 for c in "${clis[@]}"; do copy_target "$c" .gpu/tools; done
-cp tools/state_equality_check.sh bench/step_timing_paired.sh .gpu/
+cp tools/state_equality_check.sh bench/step_timing_paired.sh tools/gpu/dp_scaling.sh tools/launch.sh .gpu/
 # System libraries of this machine the GPU machine lacks (Debian's Abseil, yaml-cpp).
 mkdir -p .gpu/lib
 for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
