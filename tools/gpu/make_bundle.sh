@@ -41,7 +41,8 @@ cp tools/state_equality_check.sh bench/step_timing_paired.sh tools/gpu/dp_scalin
 mkdir -p .gpu/lib
 for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
-  ldd "$bin" 2>/dev/null | awk '/libabsl_|libyaml-cpp/ {print $3}' | while read -r lib; do
+  # ldd fails on scripts (the sh_tests): not an error here.
+  { ldd "$bin" 2>/dev/null || true; } | awk '/libabsl_|libyaml-cpp/ {print $3}' | while read -r lib; do
     cp -L -n "$lib" .gpu/lib/
   done
 done
