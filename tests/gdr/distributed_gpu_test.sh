@@ -10,6 +10,8 @@
 # Arguments (Bazel passes them; the GPU bundle runs it with none, from its runfiles copy):
 #   TRAIN COMPARE LAUNCH CONFIG
 set -u
+# The GPU bundle's runner passes every test --gtest_output=...; not ours.
+while [[ "${1:-}" == --gtest* ]]; do shift; done
 TRAIN="${1:-tools/train_cuda}"
 COMPARE="${2:-tools/compare_snapshots}"
 LAUNCH="${3:-tools/launch.sh}"
