@@ -13,7 +13,13 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
 #include <vector>
+
+#include "kernels/gdr_chunk_state.h"
+#include "ops/gdr_chunk_state.h"
 
 namespace gdr {
 namespace {
@@ -78,7 +84,53 @@ at::Tensor initial_state_or_zeros(const std::optional<at::Tensor>& initial_state
   return at::zeros({B, H, dk, dv}, options);
 }
 
+std::mutex g_impl_mutex;
+std::optional<GdrCoreImpl> g_impl_override;
+std::atomic<int> g_last_step7{static_cast<int>(GdrCoreImpl::kComposite)};
+
+// Step 7 by the chunk_state_pass op: only where its CUDA kernel applies (see the header).
+bool use_chunk_state_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, int64_t dk,
+                            int64_t dv) {
+  if (!q.is_cuda() || gdr_core_impl() != GdrCoreImpl::kKernel) return false;
+  if (ct != at::kFloat || C != kernels::kChunkStateChunk ||
+      !kernels::chunk_state_scan_supports(dk, dv)) {
+    return false;
+  }
+  TORCH_CHECK(chunk_state_pass_has_cuda_kernel(),
+              "gated_delta_rule_chunked: the GDR core implementation is 'kernel' but this binary "
+              "has no CUDA implementation of gdr::chunk_state_pass; link //ops:cuda_ops or set "
+              "GDR_CORE_IMPL=composite");
+  return true;
+}
+
 }  // namespace
+
+const char* to_string(GdrCoreImpl impl) {
+  return impl == GdrCoreImpl::kKernel ? "kernel" : "composite";
+}
+
+GdrCoreImpl parse_gdr_core_impl(const std::string& text, const std::string& source) {
+  if (text == "kernel") return GdrCoreImpl::kKernel;
+  if (text == "composite") return GdrCoreImpl::kComposite;
+  TORCH_CHECK(false, source, ": expected kernel or composite, but got '", text, "'");
+}
+
+void set_gdr_core_impl(std::optional<GdrCoreImpl> impl) {
+  std::lock_guard<std::mutex> lock(g_impl_mutex);
+  g_impl_override = impl;
+}
+
+GdrCoreImpl gdr_core_impl() {
+  {
+    std::lock_guard<std::mutex> lock(g_impl_mutex);
+    if (g_impl_override.has_value()) return *g_impl_override;
+  }
+  const char* env = std::getenv("GDR_CORE_IMPL");
+  if (env == nullptr || env[0] == '\0') return GdrCoreImpl::kKernel;
+  return parse_gdr_core_impl(env, "GDR_CORE_IMPL");
+}
+
+GdrCoreImpl gdr_core_last_step7() { return static_cast<GdrCoreImpl>(g_last_step7.load()); }
 
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& g,
@@ -185,6 +237,17 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
   const at::Tensor Q_decayed = Q * G_col.exp();
   const at::Tensor G_last = G.narrow(-1, C - 1, 1);  // [B, H, N, 1]
   const at::Tensor K_to_end = K * (G_last.unsqueeze(-1) - G_col).exp();
+  if (use_chunk_state_kernel(q, ct, C, dk, dv)) {
+    g_last_step7.store(static_cast<int>(GdrCoreImpl::kKernel));
+    std::optional<at::Tensor> S0;
+    if (initial_state.has_value() && initial_state->defined()) S0 = initial_state->to(ct);
+    auto [o_chunks, S_final, states, v_new] =
+        chunk_state_pass(U, W, Q_decayed, P, K_to_end, G_last.squeeze(-1), S0);
+    at::Tensor o = o_chunks.reshape({B, H, N * C, dv});
+    o = o.narrow(2, 0, T).transpose(1, 2).to(v.scalar_type());  // [B, T, H, dv]
+    return {o, output_final_state ? S_final : at::Tensor()};
+  }
+  g_last_step7.store(static_cast<int>(GdrCoreImpl::kComposite));
   at::Tensor S = initial_state_or_zeros(initial_state, B, H, dk, dv, options);
   std::vector<at::Tensor> outputs;
   outputs.reserve(N);

@@ -21,20 +21,42 @@
 // All math runs in FP32 (FP64 when any of q, k, v, g, beta is FP64, which the tests use
 // for tight reference checks) whatever the input dtype, and only o is cast back.
 //
-// Gradients flow through libtorch autograd (every step is an ATen op) into q, k, v, g,
-// beta and initial_state. The CPU path is sequential and deterministic.
+// Gradients flow through libtorch autograd into q, k, v, g, beta and initial_state. Steps
+// 1-6 of the chunked form are ATen ops on every device. Step 7 (the inter-chunk state
+// pass) is, on CUDA in FP32 with the default chunk when the implementation switch below
+// says kernel, the chunk_state_pass op (ops/gdr_chunk_state.h: one kernel walk each way,
+// deterministic by construction); otherwise (CPU always, FP64, other chunk sizes, head
+// dims the kernel does not support, or the switch saying composite) a loop of ATen ops
+// over chunks. The CPU path is sequential and deterministic.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace gdr {
 
 // Chunk length of the chunked algorithm (C in the spec).
 constexpr int64_t kGdrChunkSize = 64;
+
+// Which implementation runs step 7 of gated_delta_rule_chunked on CUDA. kKernel (the
+// default) is the chunk_state_pass op; kComposite is the per-chunk ATen loop (the CPU
+// path). Resolution at every call: set_gdr_core_impl's value when set, then the
+// environment variable GDR_CORE_IMPL=kernel|composite, then kKernel. An invalid value is
+// an error naming the source. When kKernel is chosen on CUDA but the binary does not
+// link the CUDA implementation (//ops:cuda_ops), the call fails and says so.
+enum class GdrCoreImpl { kKernel, kComposite };
+void set_gdr_core_impl(std::optional<GdrCoreImpl> impl);
+GdrCoreImpl gdr_core_impl();
+GdrCoreImpl parse_gdr_core_impl(const std::string& text, const std::string& source);
+const char* to_string(GdrCoreImpl impl);
+
+// Which step 7 the most recent gated_delta_rule_chunked call in this process ran
+// (kComposite on CPU, or where the kernel does not apply); for tests and benchmarks.
+GdrCoreImpl gdr_core_last_step7();
 
 // The one entry point models call. Today it runs gated_delta_rule_chunked on every
 // device; a CUDA kernel will be dispatched from here without changing callers.

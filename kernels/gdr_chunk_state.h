@@ -1,0 +1,73 @@
+// The sequential part of the chunked gated delta rule (step 7 of the spec in the shared
+// design note qwen3_5.md): one CUDA kernel that walks the chunks of every (batch, head)
+// carrying a [dk, dv] FP32 matrix, used for the forward state pass and, walking backwards,
+// for the state-gradient pass. Plain C++ (no CUDA or torch headers).
+//
+// One step of the scan, chunk n, carry X ([dk, dv]):
+//   R_n   = base_n + left_sign * left_n @ X            [C, dv]   (left_n: [C, dk])
+//   X'    = decay_n * X + extra_n + right_sign * right_n^T @ R_n   (right_n: [C, dk])
+// Forward:  X = S, base = U, left = W, left_sign = -1, right = Kend, right_sign = +1,
+//           no extra; R_n = Vn (the corrected values), carry entering chunk n = S_n.
+// Backward: X = dS, base = P^T dO, left = Kend, left_sign = +1, right = W,
+//           right_sign = -1, extra = Qd^T dO; R_n = dVn, carry entering chunk n = dS_{n+1}.
+// Everything that contracts over dv (O, dW, dQd, dKend, dP, dGlast) needs no carry once
+// the carries are stored, so the op layer computes it with batched matmuls after the
+// scan; the kernel therefore never reduces across blocks (see Note [Chunk state scan
+// determinism] in the .cu).
+//
+// Layouts: base/left/right are [BH, N, C, d] FP32 with unit stride in the last dimension
+// and the given strides elsewhere (so narrow() views of a wider tensor need no copy);
+// extra, decay, carry_in, rows_out, carries_out, carry_final are contiguous FP32.
+// The launcher runs on the stream it is given. Results are deterministic: every output
+// element is one thread's fixed-order FP32 sum, with no atomics.
+#pragma once
+
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace gdr::kernels {
+
+constexpr int kChunkStateChunk = 64;     // C: chunk length the kernel is built for
+constexpr int kChunkStateTileDv = 16;    // dv columns of the carry held by one block
+constexpr int kChunkStateThreads = 256;  // threads per block
+
+// dk is a template parameter of the kernel (register arrays); dv only needs to split
+// into whole column tiles.
+inline bool chunk_state_scan_supports(int64_t dk, int64_t dv) {
+  return (dk == 64 || dk == 128 || dk == 256) && dv > 0 && dv % kChunkStateTileDv == 0;
+}
+
+// A [BH, N, C, d] operand with unit stride in d.
+struct ChunkOperand {
+  const float* data = nullptr;
+  int64_t stride_bh = 0;
+  int64_t stride_n = 0;
+  int64_t stride_row = 0;
+};
+
+struct ChunkStateScanArgs {
+  int64_t batch_heads = 0;  // BH
+  int64_t chunks = 0;       // N
+  int dk = 0;
+  int dv = 0;
+  bool reverse = false;  // walk n = N-1 .. 0 (the backward pass)
+  ChunkOperand base;     // [BH, N, C, dv]
+  ChunkOperand left;     // [BH, N, C, dk]
+  ChunkOperand right;    // [BH, N, C, dk]
+  float left_sign = 1.0f;
+  float right_sign = 1.0f;
+  const float* extra = nullptr;     // [BH, N, dk, dv], nullptr = zeros
+  const float* decay = nullptr;     // [BH, N]
+  const float* carry_in = nullptr;  // [BH, dk, dv], nullptr = zeros
+  float* rows_out = nullptr;        // [BH, N, C, dv]: R_n
+  float* carries_out = nullptr;     // [BH, N, dk, dv]: the carry entering chunk n
+  float* carry_final = nullptr;     // [BH, dk, dv]: the carry after the last step
+};
+
+// Returns a cudaError_t as int (cudaSuccess = 0). Caller checks
+// chunk_state_scan_supports(dk, dv) first; unsupported shapes return
+// cudaErrorInvalidValue without launching.
+int launch_chunk_state_scan(const ChunkStateScanArgs& args, CUstream_st* stream);
+
+}  // namespace gdr::kernels

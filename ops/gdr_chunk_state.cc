@@ -1,0 +1,266 @@
+// The chunk state pass op: schema, argument checks, the CPU implementation (the
+// reference of the hand-derived backward) and autograd. The CUDA implementation
+// registers itself from gdr_core_cuda.cc (linked only into CUDA binaries).
+#include "ops/gdr_chunk_state.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+namespace gdr {
+namespace chunk_state_internal {
+namespace {
+
+void check_tensor(const char* op, const char* name, const at::Tensor& t,
+                  const std::vector<int64_t>& expected, const char* layout,
+                  const at::Tensor& reference) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined; expected a tensor of shape ",
+              at::IntArrayRef(expected), " (", layout, ")");
+  TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), op, ": expected ", name, " of shape ",
+              at::IntArrayRef(expected), " (", layout, ") but got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == reference.scalar_type(), op, ": expected ", name, " of dtype ",
+              reference.scalar_type(), " (one dtype for all inputs) but got ", t.scalar_type());
+  TORCH_CHECK(t.device() == reference.device(), op, ": expected ", name, " on ", reference.device(),
+              " (one device for all inputs) but got ", t.device());
+}
+
+void check_dtype(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op, ": expected ",
+              name, " of dtype Float or Double but got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 5, op, ": expected ", name,
+              " with 5 dimensions [B, H, N, C, d] but got shape ", t.sizes());
+}
+
+}  // namespace
+
+void check_forward_inputs(const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd,
+                          const at::Tensor& p, const at::Tensor& kend, const at::Tensor& g_last,
+                          const std::optional<at::Tensor>& initial_state) {
+  constexpr const char* op = "chunk_state_pass";
+  check_dtype(op, "u", u);
+  check_dtype(op, "w", w);
+  const int64_t B = u.size(0), H = u.size(1), N = u.size(2), C = u.size(3), dv = u.size(4);
+  const int64_t dk = w.size(4);
+  TORCH_CHECK(N > 0 && C > 0 && dv > 0 && dk > 0, op,
+              ": expected non-empty chunks, rows and head dims but got u ", u.sizes(), " and w ",
+              w.sizes());
+  check_tensor(op, "w", w, {B, H, N, C, dk}, "[B, H, N, C, dk]", u);
+  check_tensor(op, "qd", qd, {B, H, N, C, dk}, "[B, H, N, C, dk]", u);
+  check_tensor(op, "p", p, {B, H, N, C, C}, "[B, H, N, C, C]", u);
+  check_tensor(op, "kend", kend, {B, H, N, C, dk}, "[B, H, N, C, dk]", u);
+  check_tensor(op, "g_last", g_last, {B, H, N}, "[B, H, N]", u);
+  if (present(initial_state)) {
+    check_tensor(op, "initial_state", *initial_state, {B, H, dk, dv}, "[B, H, dk, dv]", u);
+  }
+}
+
+void check_backward_inputs(const std::optional<at::Tensor>& grad_o,
+                           const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                           const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                           const at::Tensor& g_last, const at::Tensor& states,
+                           const at::Tensor& v_new) {
+  constexpr const char* op = "chunk_state_pass_backward";
+  check_dtype(op, "w", w);
+  check_dtype(op, "v_new", v_new);
+  const int64_t B = w.size(0), H = w.size(1), N = w.size(2), C = w.size(3), dk = w.size(4);
+  const int64_t dv = v_new.size(4);
+  check_tensor(op, "v_new", v_new, {B, H, N, C, dv}, "[B, H, N, C, dv]", w);
+  check_tensor(op, "qd", qd, {B, H, N, C, dk}, "[B, H, N, C, dk]", w);
+  check_tensor(op, "p", p, {B, H, N, C, C}, "[B, H, N, C, C]", w);
+  check_tensor(op, "kend", kend, {B, H, N, C, dk}, "[B, H, N, C, dk]", w);
+  check_tensor(op, "g_last", g_last, {B, H, N}, "[B, H, N]", w);
+  check_tensor(op, "states", states, {B, H, N, dk, dv}, "[B, H, N, dk, dv]", w);
+  if (present(grad_o)) check_tensor(op, "grad_o", *grad_o, {B, H, N, C, dv}, "[B, H, N, C, dv]", w);
+  if (present(grad_final_state)) {
+    check_tensor(op, "grad_final_state", *grad_final_state, {B, H, dk, dv}, "[B, H, dk, dv]", w);
+  }
+}
+
+}  // namespace chunk_state_internal
+
+namespace {
+
+using chunk_state_internal::present;
+
+// ---------------------------------------------------------------------------
+// CPU implementation: the formulas of ops/gdr_chunk_state.h, one chunk at a time.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_forward_cpu(
+    const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
+    const at::Tensor& kend, const at::Tensor& g_last,
+    const std::optional<at::Tensor>& initial_state) {
+  chunk_state_internal::check_forward_inputs(u, w, qd, p, kend, g_last, initial_state);
+  const int64_t B = u.size(0), H = u.size(1), N = u.size(2), dv = u.size(4), dk = w.size(4);
+  at::Tensor S =
+      present(initial_state) ? initial_state->clone() : at::zeros({B, H, dk, dv}, u.options());
+  at::Tensor o = at::empty(u.sizes(), u.options());
+  at::Tensor v_new = at::empty(u.sizes(), u.options());
+  at::Tensor states = at::empty({B, H, N, dk, dv}, u.options());
+  const at::Tensor decay = g_last.exp().unsqueeze(-1).unsqueeze(-1);  // [B, H, N, 1, 1]
+  for (int64_t n = 0; n < N; ++n) {
+    states.select(2, n).copy_(S);
+    const at::Tensor V = u.select(2, n) - w.select(2, n).matmul(S);
+    v_new.select(2, n).copy_(V);
+    o.select(2, n).copy_(qd.select(2, n).matmul(S) + p.select(2, n).matmul(V));
+    S = S * decay.select(2, n) + kend.select(2, n).transpose(-1, -2).matmul(V);
+  }
+  return {o, S, states, v_new};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_state_backward_cpu(const std::optional<at::Tensor>& grad_o,
+                         const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                         const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                         const at::Tensor& g_last, const at::Tensor& states,
+                         const at::Tensor& v_new) {
+  chunk_state_internal::check_backward_inputs(grad_o, grad_final_state, w, qd, p, kend, g_last,
+                                              states, v_new);
+  const int64_t B = w.size(0), H = w.size(1), N = w.size(2), C = w.size(3), dk = w.size(4);
+  const int64_t dv = v_new.size(4);
+  const auto options = w.options();
+  const at::Tensor dO = present(grad_o) ? *grad_o : at::zeros({B, H, N, C, dv}, options);
+  at::Tensor dS =
+      present(grad_final_state) ? grad_final_state->clone() : at::zeros({B, H, dk, dv}, options);
+  at::Tensor du = at::empty({B, H, N, C, dv}, options);
+  at::Tensor dw = at::empty({B, H, N, C, dk}, options);
+  at::Tensor dqd = at::empty({B, H, N, C, dk}, options);
+  at::Tensor dp = at::empty({B, H, N, C, C}, options);
+  at::Tensor dkend = at::empty({B, H, N, C, dk}, options);
+  at::Tensor dg_last = at::empty({B, H, N}, options);
+  const at::Tensor decay = g_last.exp();  // [B, H, N]
+  for (int64_t n = N - 1; n >= 0; --n) {
+    const at::Tensor S = states.select(2, n);
+    const at::Tensor V = v_new.select(2, n);
+    const at::Tensor dO_n = dO.select(2, n);
+    const at::Tensor a = decay.select(2, n);  // [B, H]
+    const at::Tensor dV =
+        p.select(2, n).transpose(-1, -2).matmul(dO_n) + kend.select(2, n).matmul(dS);
+    du.select(2, n).copy_(dV);
+    dw.select(2, n).copy_(-dV.matmul(S.transpose(-1, -2)));
+    dqd.select(2, n).copy_(dO_n.matmul(S.transpose(-1, -2)));
+    dp.select(2, n).copy_(dO_n.matmul(V.transpose(-1, -2)));
+    dkend.select(2, n).copy_(V.matmul(dS.transpose(-1, -2)));
+    dg_last.select(2, n).copy_(a * (S * dS).sum({-2, -1}));
+    dS = dS * a.unsqueeze(-1).unsqueeze(-1) + qd.select(2, n).transpose(-1, -2).matmul(dO_n) -
+         w.select(2, n).transpose(-1, -2).matmul(dV);
+  }
+  return {du, dw, dqd, dp, dkend, dg_last, dS};
+}
+
+// ---------------------------------------------------------------------------
+// Autograd
+
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&);
+using BackwardSignature =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, const at::Tensor&);
+
+const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gdr::chunk_state_pass", "")
+                             .typed<ForwardSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gdr::chunk_state_pass_backward", "")
+                             .typed<BackwardSignature>();
+  return op;
+}
+
+class ChunkStatePassFunction : public torch::autograd::Function<ChunkStatePassFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& u, const at::Tensor& w,
+                                                const at::Tensor& qd, const at::Tensor& p,
+                                                const at::Tensor& kend, const at::Tensor& g_last,
+                                                const std::optional<at::Tensor>& initial_state) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [o, final_state, states, v_new] =
+        forward_op().call(u, w, qd, p, kend, g_last, initial_state);
+    // Saved as detached aliases: they are outputs of this function only as non-
+    // differentiable by-products, and the backward needs them as plain data.
+    ctx->save_for_backward({w, qd, p, kend, g_last, states.detach(), v_new.detach()});
+    ctx->saved_data["has_initial_state"] = present(initial_state);
+    ctx->mark_non_differentiable({states, v_new});
+    // An unused output (o or final_state) then arrives as an undefined gradient, which
+    // the backward op treats as zeros without materialising them.
+    ctx->set_materialize_grads(false);
+    return {o, final_state, states, v_new};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    std::optional<at::Tensor> grad_o, grad_final_state;
+    if (grads[0].defined()) grad_o = grads[0];
+    if (grads[1].defined()) grad_final_state = grads[1];
+    auto [du, dw, dqd, dp, dkend, dg_last, d_initial] =
+        backward_op().call(grad_o, grad_final_state, saved[0], saved[1], saved[2], saved[3],
+                           saved[4], saved[5], saved[6]);
+    const bool has_initial_state = ctx->saved_data["has_initial_state"].toBool();
+    return {du, dw, dqd, dp, dkend, dg_last, has_initial_state ? d_initial : at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_autograd(
+    const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
+    const at::Tensor& kend, const at::Tensor& g_last,
+    const std::optional<at::Tensor>& initial_state) {
+  auto outputs = ChunkStatePassFunction::apply(u, w, qd, p, kend, g_last, initial_state);
+  return {outputs[0], outputs[1], outputs[2], outputs[3]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gdr, m) {
+  m.def(
+      "chunk_state_pass(Tensor u, Tensor w, Tensor qd, Tensor p, Tensor kend, Tensor g_last, "
+      "Tensor? initial_state) -> (Tensor o, Tensor final_state, Tensor states, Tensor v_new)");
+  m.def(
+      "chunk_state_pass_backward(Tensor? grad_o, Tensor? grad_final_state, Tensor w, Tensor qd, "
+      "Tensor p, Tensor kend, Tensor g_last, Tensor states, Tensor v_new) -> (Tensor du, Tensor "
+      "dw, Tensor dqd, Tensor dp, Tensor dkend, Tensor dg_last, Tensor d_initial_state)");
+}
+
+TORCH_LIBRARY_IMPL(gdr, CPU, m) {
+  m.impl("chunk_state_pass", &chunk_state_forward_cpu);
+  m.impl("chunk_state_pass_backward", &chunk_state_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(gdr, Autograd, m) { m.impl("chunk_state_pass", &chunk_state_autograd); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_pass(
+    const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
+    const at::Tensor& kend, const at::Tensor& g_last,
+    const std::optional<at::Tensor>& initial_state) {
+  return forward_op().call(u, w, qd, p, kend, g_last, initial_state);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_state_pass_backward(const std::optional<at::Tensor>& grad_o,
+                          const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                          const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                          const at::Tensor& g_last, const at::Tensor& states,
+                          const at::Tensor& v_new) {
+  return backward_op().call(grad_o, grad_final_state, w, qd, p, kend, g_last, states, v_new);
+}
+
+bool chunk_state_pass_has_cuda_kernel() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("gdr::chunk_state_pass", "")
+      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+}
+
+}  // namespace gdr

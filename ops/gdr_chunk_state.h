@@ -1,0 +1,78 @@
+// The inter-chunk state pass of the chunked gated delta rule (step 7 of the spec, shared
+// design note qwen3_5.md) as one dispatcher op with its own backward, so that the CUDA
+// path runs the sequential chunk walk as one kernel each way instead of a few small
+// launches per chunk (kernels/gdr_chunk_state.h).
+//
+// Inputs, per (batch, head) and chunk n of C rows (all one floating dtype, one device):
+//   u      [B, H, N, C, dv]   U_n     = T Vb                (step 5)
+//   w      [B, H, N, C, dk]   W_n     = T (Kb * exp(G))     (step 5)
+//   qd     [B, H, N, C, dk]   Qd_n    = Q * exp(G)
+//   p      [B, H, N, C, C]    P_n     = (Q K^T) * L, lower triangular (step 6)
+//   kend   [B, H, N, C, dk]   Kend_n  = K * exp(G_last - G)
+//   g_last [B, H, N]          Glast_n = G at the chunk's last row
+//   initial_state [B, H, dk, dv] or absent (zeros)
+// Forward, S_0 = initial state, n = 0 .. N-1:
+//   V_n = U_n - W_n S_n;  O_n = Qd_n S_n + P_n V_n;  S_{n+1} = exp(Glast_n) S_n + Kend_n^T V_n
+// Returns (o [B, H, N, C, dv], final_state S_N [B, H, dk, dv], states [B, H, N, dk, dv]
+// (S_n, the state entering chunk n), v_new [B, H, N, C, dv] (V_n)), all contiguous in
+// the inputs' dtype. states and v_new are what the backward needs; they are not
+// differentiable outputs.
+//
+// Backward (hand-derived; tests check it against libtorch autograd of the plain loop in
+// FP64). With g_N = grad of final_state (zeros when absent), n = N-1 .. 0:
+//   dV_n = P_n^T dO_n + Kend_n g_{n+1}        dU_n = dV_n
+//   dW_n = -dV_n S_n^T      dQd_n = dO_n S_n^T      dP_n = dO_n V_n^T (full, not masked)
+//   dKend_n = V_n g_{n+1}^T      dGlast_n = exp(Glast_n) * sum(S_n .* g_{n+1})
+//   g_n = exp(Glast_n) g_{n+1} + Qd_n^T dO_n - W_n^T dV_n;  d initial_state = g_0
+//
+// CPU: FP32 or FP64, an ATen loop over chunks (the reference). CUDA (ops/gdr_core_cuda.cc,
+// linked through //ops:cuda_ops): FP32, C = 64, dk in {64, 128, 256}, dv a multiple of
+// 16; runs on the current stream; deterministic by construction (no atomics, every sum in
+// a fixed order: see Note [Chunk state scan determinism] in kernels/gdr_chunk_state.cu).
+// Saving S_n from the forward instead of recomputing it costs B*H*N*dk*dv*4 bytes
+// (32 MiB per layer at B=1, T=2048, H=16, dk=dv=128) and saves a whole sequential pass in
+// the backward, the part of this op that cannot use the whole GPU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace gdr {
+
+// Autograd-aware entry point (dispatches to CPU or CUDA).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_pass(
+    const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
+    const at::Tensor& kend, const at::Tensor& g_last,
+    const std::optional<at::Tensor>& initial_state);
+
+// The backward alone (no autograd). grad_o / grad_final_state may be absent (zeros).
+// Returns (du, dw, dqd, dp, dkend, dg_last, d_initial_state), contiguous, inputs' dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_state_pass_backward(const std::optional<at::Tensor>& grad_o,
+                          const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                          const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                          const at::Tensor& g_last, const at::Tensor& states,
+                          const at::Tensor& v_new);
+
+// True when a CUDA implementation of the op is linked into this binary.
+bool chunk_state_pass_has_cuda_kernel();
+
+namespace chunk_state_internal {
+
+// Argument checks shared by the CPU and CUDA implementations; messages name the
+// argument and say what was expected and what was given.
+void check_forward_inputs(const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd,
+                          const at::Tensor& p, const at::Tensor& kend, const at::Tensor& g_last,
+                          const std::optional<at::Tensor>& initial_state);
+void check_backward_inputs(const std::optional<at::Tensor>& grad_o,
+                           const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                           const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                           const at::Tensor& g_last, const at::Tensor& states,
+                           const at::Tensor& v_new);
+
+inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace chunk_state_internal
+}  // namespace gdr
