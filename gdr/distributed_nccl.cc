@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <cstdlib>
+
 #include "gdr/distributed_backend.h"
 
 namespace gdr {
@@ -20,6 +22,11 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   // Every tensor the trainer makes after this lands on the rank's own GPU (at::kCUDA with no
   // index means the current device).
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank));
+  // Blocking wait: Work::wait() holds the host until the collective ends and throws when it
+  // exceeds the timeout, so a dead or hung peer surfaces as all_reduce_sum's error (one
+  // clear line naming the step) instead of the watchdog aborting the process. Our step
+  // synchronises on the losses anyway, so this costs nothing. An explicit setting wins.
+  setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(

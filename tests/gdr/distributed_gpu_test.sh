@@ -81,6 +81,7 @@ if kill -0 "$pid0" 2>/dev/null; then kill -9 "$pid0"; fail "rank 0 still running
 wait "$pid0"
 rc=$?
 [ "$rc" -ne 0 ] || fail "rank 0 exited 0 after rank 1 died"
-echo "dead peer: rank 0 exited $rc after $(($(date +%s) - start)) s; its last lines:"
-tail -n 3 "$OUT/kill.0.log"
+grep -q "^train: error: step [0-9]*: rank 0 of 2: gradient all-reduce failed" "$OUT/kill.0.log" ||
+  fail "rank 0's error: $(tail -n 5 "$OUT/kill.0.log")"
+echo "dead peer: rank 0 exited $rc after $(($(date +%s) - start)) s: $(grep error "$OUT/kill.0.log")"
 echo "PASS"
