@@ -1,0 +1,175 @@
+// Benchmark of the chunked gated delta rule core on one GPU with step 7 (the inter-chunk
+// state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
+// loop (composite): forward (autograd recording, as in training) and forward+backward
+// through autograd. BF16 q/k/v (q and k L2-normalised beforehand, as the model does),
+// FP32 g and beta. CUDA events around each host call (so host and launch overhead count,
+// which is what the composite loses), warm-up, then the median of timed repetitions.
+//
+// FLOP count (matmul FLOPs of the whole chunked algorithm, per batch*head and chunk of
+// C = 64 rows; elementwise work ignored):
+//   forward  F = 2 C^2 dk (Kb K^T) + C^2 (dk + dv) (triangular solve) + 2 C^2 dk (Q K^T)
+//              + 6 C dk dv (W S, Qd S, Kend^T V) + 2 C^2 dv (P V)
+//   forward+backward = 3 F (the backward does about two matmuls per forward matmul).
+// TFLOP/s = FLOPs / time; both implementations get the same count.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ops/gdr_core.h"
+
+namespace gdr {
+namespace {
+
+constexpr int kWarmup = 5;
+constexpr int kRepeats = 21;
+
+double median_ms(const std::function<void()>& fn) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < kWarmup; ++i) fn();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> samples;
+  for (int i = 0; i < kRepeats; ++i) {
+    cudaEventRecord(start, stream);
+    fn();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    samples.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+double forward_flops(int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv) {
+  const double C = static_cast<double>(kGdrChunkSize);
+  const double N = static_cast<double>((T + kGdrChunkSize - 1) / kGdrChunkSize);
+  const double per_chunk =
+      2 * C * C * dk + C * C * (dk + dv) + 2 * C * C * dk + 6 * C * dk * dv + 2 * C * C * dv;
+  return static_cast<double>(B * H) * N * per_chunk;
+}
+
+struct Timings {
+  double forward_ms = 0, forward_backward_ms = 0;
+};
+
+void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv) {
+  const int64_t B = 1;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  at::manual_seed(0);
+  at::Tensor q = at::randn({B, T, H, dk}, cuda);
+  at::Tensor k = at::randn({B, T, H, dk}, cuda);
+  q = (q / q.norm(2, -1, true)).to(at::kBFloat16);
+  k = (k / k.norm(2, -1, true)).to(at::kBFloat16);
+  const at::Tensor v = at::randn({B, T, H, dv}, cuda).to(at::kBFloat16);
+  const at::Tensor g = -at::rand({B, T, H}, cuda);
+  const at::Tensor beta = at::sigmoid(at::randn({B, T, H}, cuda));
+  const at::Tensor grad_o = at::randn({B, T, H, dv}, cuda).to(at::kBFloat16);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+
+  std::vector<at::Tensor> leaves = {q, k, v, g, beta};
+  for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
+  auto forward = [&] {
+    gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale);
+  };
+  auto forward_backward = [&] {
+    auto [o, s] =
+        gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale);
+    torch::autograd::grad({o}, leaves, {grad_o});
+  };
+
+  Timings t[2];
+  const GdrCoreImpl impls[2] = {GdrCoreImpl::kKernel, GdrCoreImpl::kComposite};
+  for (int i = 0; i < 2; ++i) {
+    set_gdr_core_impl(impls[i]);
+    forward();
+    if (gdr_core_last_step7() != impls[i]) {
+      std::fprintf(stderr, "gdr_core_bench: step 7 ran %s, expected %s\n",
+                   to_string(gdr_core_last_step7()), to_string(impls[i]));
+    }
+    t[i].forward_ms = median_ms(forward);
+    t[i].forward_backward_ms = median_ms(forward_backward);
+  }
+  set_gdr_core_impl(std::nullopt);
+
+  const double f = forward_flops(B, T, H, dk, dv);
+  auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+  for (int i = 0; i < 2; ++i) {
+    std::printf("| %lld | %lld | %lld/%lld | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
+                static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
+                static_cast<long long>(dv), to_string(impls[i]), t[i].forward_ms,
+                t[1].forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms),
+                t[i].forward_backward_ms, t[1].forward_backward_ms / t[i].forward_backward_ms,
+                tflops(3 * f, t[i].forward_backward_ms));
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace gdr
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> lengths = {2048, 16384};
+  int64_t heads = 16, dk = 128, dv = 128;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help") {
+      std::printf(
+          "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--dk=D] [--dv=D]\n"
+          "  Times gated_delta_rule_chunked (B=1, BF16 q/k/v) forward and forward+backward with\n"
+          "  step 7 as the CUDA chunk state kernel (kernel) and as the per-chunk ATen loop\n"
+          "  (composite). Defaults: --lengths=2048,16384 --heads=16 --dk=128 --dv=128.\n"
+          "  'vs composite' is composite time / this row's time; TFLOP/s counts the matmul\n"
+          "  FLOPs of the whole chunked algorithm (formula in bench/gdr_core_bench.cc).\n");
+      return 0;
+    }
+    long long value = 0;
+    if (arg.rfind("--lengths=", 0) == 0) {
+      lengths.clear();
+      std::stringstream list(arg.substr(10));
+      std::string item;
+      while (std::getline(list, item, ',')) {
+        if (std::sscanf(item.c_str(), "%lld", &value) != 1 || value <= 0) {
+          std::fprintf(stderr, "gdr_core_bench: --lengths expects positive integers, got '%s'\n",
+                       item.c_str());
+          return 2;
+        }
+        lengths.push_back(value);
+      }
+    } else if (std::sscanf(argv[i], "--heads=%lld", &value) == 1 && value > 0) {
+      heads = value;
+    } else if (std::sscanf(argv[i], "--dk=%lld", &value) == 1 && value > 0) {
+      dk = value;
+    } else if (std::sscanf(argv[i], "--dv=%lld", &value) == 1 && value > 0) {
+      dv = value;
+    } else {
+      std::fprintf(stderr, "gdr_core_bench: unknown or invalid argument '%s' (see --help)\n",
+                   argv[i]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf(
+      "GPU: %s, %d SMs; B=1, BF16 q/k/v; warm-up %d, median of %d; eager times in ms "
+      "(CUDA events around the host call)\n\n",
+      prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
+  std::printf(
+      "| T | H | dk/dv | step 7 | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | vs "
+      "composite | fwd+bwd TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int64_t T : lengths) gdr::bench_length(T, heads, dk, dv);
+  return 0;
+}
