@@ -13,7 +13,7 @@
 // Everything that contracts over dv (O, dW, dQd, dKend, dP, dGlast) needs no carry once
 // the carries are stored, so the op layer computes it with batched matmuls after the
 // scan; the kernel therefore never reduces across blocks (see Note [Chunk state scan
-// determinism] in the .cu).
+// determinism] in kernels/gdr_chunk_state_kernel.cuh).
 //
 // Layouts: base/left/right are [BH, N, C, d] FP32 with unit stride in the last dimension
 // and the given strides elsewhere (so narrow() views of a wider tensor need no copy);
