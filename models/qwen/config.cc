@@ -324,17 +324,13 @@ int64_t QwenConfig::rotary_dim() const {
 absl::Status validate_qwen_config(const QwenConfig& c, absl::string_view file,
                                   absl::string_view key_prefix) {
   const Source source{std::string(file), std::string(key_prefix)};
-  // Fusion rules first. Note: the deterministic/full conflict is checked before "full is
-  // not implemented" so that it keeps guarding once full fusion exists.
+  // Fusion rule first: full fusion's backward sums the conv-weight gradient with atomics.
   if (c.deterministic_mode && c.pre_gdr_fusion == PreGdrFusion::kFull) {
     return source.error(
         "deterministic_mode",
         absl::StrCat("true cannot be combined with ", key_prefix,
                      "pre_gdr_fusion: full (the fully fused pre-GDR path has no ordered, "
                      "bit-reproducible backward); use pre_gdr_fusion: gate or none"));
-  }
-  if (c.pre_gdr_fusion == PreGdrFusion::kFull) {
-    return source.error("pre_gdr_fusion", "'full' is not implemented yet; use 'gate' or 'none'");
   }
   const std::pair<const char*, int64_t> positives[] = {
       {"hidden_size", c.hidden_size},

@@ -6,7 +6,8 @@
 //   pre_gdr_fusion: none | gate | full   how the pre-GDR gate runs (default gate):
 //       none = unfused ATen composite (gdr::pre_gdr_gate_composite),
 //       gate = the fused gate op (gdr::pre_gdr_gate),
-//       full = gate fused into the GDR core: not implemented yet, rejected.
+//       full = conv1d, SiLU, L2 norm, repeat and gate as one fused CUDA op
+//              (gdr::pre_gdr_full_fusion; CUDA only, not with deterministic_mode).
 //   deterministic_mode: bool             ordered, bit-reproducible paths (default false);
 //       see apply_deterministic_mode() in models/qwen/deterministic_mode.h.
 //
@@ -78,8 +79,8 @@ struct QwenConfig {
 
 // Checks consistency (positive sizes, head divisibility, layer_types,
 // rotary dims, fusion rules). `source` and `key_prefix` only shape the messages
-// ("<source>: <key_prefix><key>: ..."). The deterministic_mode + pre_gdr_fusion: full
-// conflict is checked before "full is not implemented", so the rule survives full fusion.
+// ("<source>: <key_prefix><key>: ..."). deterministic_mode: true with pre_gdr_fusion: full
+// is an error naming both keys (full fusion has no ordered backward).
 absl::Status validate_qwen_config(const QwenConfig& config, absl::string_view source,
                                   absl::string_view key_prefix = "");
 

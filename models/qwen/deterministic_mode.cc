@@ -11,6 +11,14 @@ namespace gdr {
 
 absl::Status apply_deterministic_mode(const QwenConfig& config) {
   if (!config.deterministic_mode) return absl::OkStatus();
+  // The same rule as validate_qwen_config, for configs built in code: checked before any
+  // process state changes.
+  if (config.pre_gdr_fusion == PreGdrFusion::kFull) {
+    return absl::FailedPreconditionError(
+        "deterministic_mode: true cannot be combined with pre_gdr_fusion: full (the fully fused "
+        "pre-GDR path has no ordered, bit-reproducible backward); use pre_gdr_fusion: gate or "
+        "none");
+  }
   const char* current = std::getenv(kCublasWorkspaceConfigVar);
   if (current == nullptr || current[0] == '\0') {
     setenv(kCublasWorkspaceConfigVar, kCublasWorkspaceConfigDefault, /*overwrite=*/1);

@@ -13,6 +13,8 @@
 //   - PyTorch's fill of uninitialized memory (on by default with deterministic algorithms)
 //     is turned off unless GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY=1 (Note
 //     [Uninitialized-memory fill] in deterministic_mode.cc).
+// deterministic_mode with pre_gdr_fusion: full is an absl::FailedPreconditionError naming
+// both keys, returned before anything is changed (full fusion has no ordered backward).
 // When false, nothing is changed (an earlier setting is left alone).
 // Call it once at start-up, before any CUDA/cuBLAS work: cuBLAS reads the variable when a
 // handle is created. Not thread-safe (setenv).

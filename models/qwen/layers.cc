@@ -13,8 +13,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <tuple>
 
 #include "ops/gdr_core.h"
+#include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
 
 namespace gdr {
@@ -125,47 +127,56 @@ GatedDeltaNetImpl::GatedDeltaNetImpl(const QwenConfig& c)
   out_proj = register_module("out_proj", linear_no_bias(c.linear_value_dim(), D));
 }
 
-void GatedDeltaNetImpl::set_pre_gdr_fusion(PreGdrFusion fusion) {
-  TORCH_CHECK(
-      fusion != PreGdrFusion::kFull,
-      "GatedDeltaNet: expected pre_gdr_fusion none or gate but got full (not implemented yet)");
-  fusion_ = fusion;
-}
+void GatedDeltaNetImpl::set_pre_gdr_fusion(PreGdrFusion fusion) { fusion_ = fusion; }
 
 at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   check_activation("GatedDeltaNet", x, in_proj_qkv->options.in_features());
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t key_dim = num_k_heads_ * k_head_dim_, value_dim = num_v_heads_ * v_head_dim_;
 
-  // Causal depthwise conv over time: left pad K-1 so token t sees t-K+1..t only.
-  at::Tensor qkv = in_proj_qkv(x).transpose(1, 2);  // [B, conv_dim, T]
-  qkv = at::conv1d(at::constant_pad_nd(qkv, {kernel_size_ - 1, 0}, 0.0), conv1d->weight,
-                   /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},
-                   /*padding=*/at::IntArrayRef{0}, /*dilation=*/at::IntArrayRef{1},
-                   /*groups=*/qkv.size(1));
-  qkv = at::silu(qkv).transpose(1, 2);  // [B, T, conv_dim]
+  at::Tensor q, k, v, g, beta;
+  if (fusion_ == PreGdrFusion::kFull) {
+    // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_full_fusion.h).
+    TORCH_CHECK(x.is_cuda(),
+                "GatedDeltaNet: pre_gdr_fusion: full needs CUDA (the fully fused pre-GDR op has "
+                "no CPU implementation) but x is on ",
+                x.device(), "; use pre_gdr_fusion: gate or none on CPU");
+    const GdrInputs in = pre_gdr_full_fusion(
+        in_proj_qkv(x), conv1d->weight, in_proj_a(x), in_proj_b(x), A_log, dt_bias,
+        GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
+    q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
+  } else {
+    // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence (the tests'
+    // reference); keep the two in sync.
+    // Causal depthwise conv over time: left pad K-1 so token t sees t-K+1..t only.
+    at::Tensor qkv = in_proj_qkv(x).transpose(1, 2);  // [B, conv_dim, T]
+    qkv = at::conv1d(at::constant_pad_nd(qkv, {kernel_size_ - 1, 0}, 0.0), conv1d->weight,
+                     /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},
+                     /*padding=*/at::IntArrayRef{0}, /*dilation=*/at::IntArrayRef{1},
+                     /*groups=*/qkv.size(1));
+    qkv = at::silu(qkv).transpose(1, 2);  // [B, T, conv_dim]
 
-  at::Tensor q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
-  at::Tensor k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
-  // The core runs in FP32 whatever the activations; giving it FP32 q/k/v (q/k straight
-  // from the FP32 L2 norm) avoids a round trip through 16-bit before it.
-  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor v =
-      qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
-  q = l2_normalize(q, kQkL2NormEps).to(ct);
-  k = l2_normalize(k, kQkL2NormEps).to(ct);
-  if (num_v_heads_ > num_k_heads_) {
-    // Each key head serves Hv/Hk consecutive value heads.
-    const int64_t repeats = num_v_heads_ / num_k_heads_;
-    q = q.repeat_interleave(repeats, /*dim=*/2);
-    k = k.repeat_interleave(repeats, /*dim=*/2);
+    q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
+    k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
+    // The core runs in FP32 whatever the activations; giving it FP32 q/k/v (q/k straight
+    // from the FP32 L2 norm) avoids a round trip through 16-bit before it.
+    const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    v = qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
+    q = l2_normalize(q, kQkL2NormEps).to(ct);
+    k = l2_normalize(k, kQkL2NormEps).to(ct);
+    if (num_v_heads_ > num_k_heads_) {
+      // Each key head serves Hv/Hk consecutive value heads.
+      const int64_t repeats = num_v_heads_ / num_k_heads_;
+      q = q.repeat_interleave(repeats, /*dim=*/2);
+      k = k.repeat_interleave(repeats, /*dim=*/2);
+    }
+
+    const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
+    // g and beta come back FP32 from either form of the gate.
+    std::tie(g, beta) = fusion_ == PreGdrFusion::kGate
+                            ? pre_gdr_gate(a, b, A_log, dt_bias)
+                            : pre_gdr_gate_composite(a, b, A_log, dt_bias);
   }
-
-  const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
-  // g and beta come back FP32 from either form of the gate.
-  const auto [g, beta] = fusion_ == PreGdrFusion::kGate
-                             ? pre_gdr_gate(a, b, A_log, dt_bias)
-                             : pre_gdr_gate_composite(a, b, A_log, dt_bias);
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(k_head_dim_));
   at::Tensor o;

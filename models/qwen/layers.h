@@ -69,7 +69,9 @@ enum class GdrCoreAlgorithm { kDispatch, kChunked, kRecurrent };
 // Gated DeltaNet mixer (`linear_attn`). Parameters: in_proj_qkv [2*Hk*dk + Hv*dv, D],
 // in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D], conv1d.weight [conv_dim, 1, K],
 // dt_bias [Hv], A_log [Hv], norm.weight [dv], out_proj [D, Hv*dv]. No biases.
-// The pre-GDR gate runs fused (pre_gdr_fusion: gate) or as the ATen composite (none).
+// pre_gdr_fusion: none = conv/SiLU/L2 norm/repeat and the gate as ATen ops; gate = the
+// same with the fused gate op; full = one fused CUDA op from the projections to the core
+// inputs (gdr::pre_gdr_full_fusion; forward on a CPU tensor fails saying it needs CUDA).
 class GatedDeltaNetImpl : public torch::nn::Module {
  public:
   explicit GatedDeltaNetImpl(const QwenConfig& config);

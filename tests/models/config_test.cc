@@ -208,10 +208,11 @@ TEST(QwenConfig, AnUnknownLayerTypeIsAnError) {
                 "'sliding_attention'");
 }
 
-TEST(QwenConfig, FullFusionIsNotImplementedYet) {
+TEST(QwenConfig, FullFusionLoadsWhenDeterministicModeIsOff) {
   const std::string path = write_file("full.yaml", with_lines("  pre_gdr_fusion: full\n"));
-  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
-            path + ": model.pre_gdr_fusion: 'full' is not implemented yet; use 'gate' or 'none'");
+  const absl::StatusOr<QwenConfig> config = load_qwen_config_yaml(path);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->pre_gdr_fusion, PreGdrFusion::kFull);
 }
 
 TEST(QwenConfig, DeterministicModeWithFullFusionIsRejectedNamingBothKeys) {

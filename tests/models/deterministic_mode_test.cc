@@ -74,6 +74,18 @@ TEST_F(DeterministicMode, RejectsAConflictingWorkspaceValueAndChangesNothing) {
   EXPECT_EQ(cublas_var(), ":0:0");
 }
 
+TEST_F(DeterministicMode, RejectsFullFusionNamingBothKeysAndChangesNothing) {
+  config_.pre_gdr_fusion = PreGdrFusion::kFull;
+  const absl::Status status = apply_deterministic_mode(config_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(),
+            "deterministic_mode: true cannot be combined with pre_gdr_fusion: full (the fully "
+            "fused pre-GDR path has no ordered, bit-reproducible backward); use pre_gdr_fusion: "
+            "gate or none");
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+  EXPECT_EQ(cublas_var(), "<unset>");
+}
+
 TEST_F(DeterministicMode, DoesNothingWhenTheConfigLeavesItOff) {
   config_.deterministic_mode = false;
   ASSERT_TRUE(apply_deterministic_mode(config_).ok());

@@ -226,10 +226,19 @@ TEST(PartialRope, RotatesPairsOfTheFirstRotaryDimsAndPassesTheRestThrough) {
   }
 }
 
-TEST(QwenModel, AFullFusionConfigIsRefusedAtConstruction) {
+TEST(QwenModel, AFullFusionModelOnCpuFailsAtForwardSayingItNeedsCuda) {
   QwenConfig config = tiny_config();
   config.pre_gdr_fusion = PreGdrFusion::kFull;
-  EXPECT_THROW(QwenForCausalLM{config}, c10::Error);
+  QwenForCausalLM model(config);  // construction is fine: the model may move to CUDA
+  const at::Tensor ids = at::zeros({1, 8}, at::kLong);
+  try {
+    model->forward(ids);
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(),
+              "GatedDeltaNet: pre_gdr_fusion: full needs CUDA (the fully fused pre-GDR op has no "
+              "CPU implementation) but x is on cpu; use pre_gdr_fusion: gate or none on CPU");
+  }
 }
 
 }  // namespace
