@@ -37,8 +37,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <optional>
 #include <tuple>
+
+#include "kernels/gdr_chunk_state.h"
 
 namespace gdr {
 
@@ -74,6 +77,26 @@ void check_backward_inputs(const std::optional<at::Tensor>& grad_o,
                            const at::Tensor& v_new);
 
 inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The scan-based implementation the CUDA op runs, written device-agnostic so that CPU
+// tests can run it with a host emulation of the kernel: `scan` must do what
+// kernels::launch_chunk_state_scan does (on the CUDA op: launch it on the current stream
+// and check the launch). Everything else is ATen: operand layouts, the carry-independent
+// products before the backward scan (P^T dO, Qd^T dO) and the dv-contracted results after
+// each scan (O; dW, dQd, dP, dKend, dGlast) as batched matmuls over (b, h, n). FP32,
+// C = kernels::kChunkStateChunk, kernels::chunk_state_scan_supports(dk, dv); refused
+// otherwise with a message naming `op`.
+using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
+    const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
+    const at::Tensor& kend, const at::Tensor& g_last,
+    const std::optional<at::Tensor>& initial_state, const ScanLauncher& scan);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+backward_via_scan(const std::optional<at::Tensor>& grad_o,
+                  const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
+                  const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
+                  const at::Tensor& g_last, const at::Tensor& states, const at::Tensor& v_new,
+                  const ScanLauncher& scan);
 
 }  // namespace chunk_state_internal
 }  // namespace gdr

@@ -3,9 +3,12 @@
 // thread, a barrier for __syncthreads, function statics for __shared__, one block at a
 // time) and checked against a plain FP64 loop written from the recurrence in
 // kernels/gdr_chunk_state.h: every dk the kernel supports, one and several dv tiles,
-// both walk directions, operands that are strided and offset views of wider rows. This
-// proves the kernel's indexing and barriers on machines without a GPU; its speed and the
-// real hardware are the GPU test's business.
+// both walk directions, operands that are strided and offset views of wider rows. Then
+// the CUDA op's own code (chunk_state_internal::forward_via_scan / backward_via_scan)
+// runs with the emulated kernel against the CPU reference op. This proves the kernel's
+// indexing and barriers and the op's layouts and formulas on machines without a GPU;
+// speed, streams and the real hardware are the GPU test's business.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
 
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "kernels/gdr_chunk_state.h"
+#include "ops/gdr_chunk_state.h"
 
 // Host stand-ins for the CUDA built-ins the kernel uses (and nothing else; see the NOTE
 // in the .cuh). Blocks run one after another, so function statics serve as shared memory.
@@ -166,6 +170,90 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ChunkStateKernelEmulation,
                                   std::to_string(info.param.dv) +
                                   (info.param.reverse ? "_reverse" : "_forward");
                          });
+
+// ---------------------------------------------------------------------------
+// The CUDA op's code with the emulated kernel
+
+struct OpCase {
+  int64_t B, H, N, dk, dv;
+  bool initial_state, grad_final_state;
+};
+
+double relative_error(const at::Tensor& x, const at::Tensor& ref) {
+  const at::Tensor r = ref.to(at::kDouble);
+  return (x.to(at::kDouble) - r).abs().max().item<double>() /
+         (r.abs().max().item<double>() + 1e-30);
+}
+
+TEST(ChunkStateScanImplementation, WithTheEmulatedKernelMatchesTheReferenceOp) {
+  const char* names[] = {"o",   "final_state", "states", "v_new",   "du",       "dw",
+                         "dqd", "dp",          "dkend",  "dg_last", "d_initial"};
+  for (const OpCase& c :
+       {OpCase{1, 2, 3, 64, 32, true, true}, OpCase{2, 1, 2, 64, 16, false, false}}) {
+    at::manual_seed(c.N);
+    const int64_t C = kChunkStateChunk;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    const double row = 0.5 / std::sqrt(static_cast<double>(c.dk));
+    const at::Tensor u = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
+    const at::Tensor w = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+    const at::Tensor qd = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+    const at::Tensor p = at::randn({c.B, c.H, c.N, C, C}, f64).tril() * 0.1;
+    const at::Tensor kend = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+    const at::Tensor g_last = -3.0 * at::rand({c.B, c.H, c.N}, f64);
+    std::optional<at::Tensor> s0, grad_s;
+    if (c.initial_state) s0 = at::randn({c.B, c.H, c.dk, c.dv}, f64);
+    if (c.grad_final_state) grad_s = at::randn({c.B, c.H, c.dk, c.dv}, f64);
+    const at::Tensor grad_o = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
+
+    const auto [o, s, states, v_new] = chunk_state_pass(u, w, qd, p, kend, g_last, s0);
+    const auto ref_b =
+        chunk_state_pass_backward(grad_o, grad_s, w, qd, p, kend, g_last, states, v_new);
+    const std::vector<at::Tensor> ref = {o,
+                                         s,
+                                         states,
+                                         v_new,
+                                         std::get<0>(ref_b),
+                                         std::get<1>(ref_b),
+                                         std::get<2>(ref_b),
+                                         std::get<3>(ref_b),
+                                         std::get<4>(ref_b),
+                                         std::get<5>(ref_b),
+                                         std::get<6>(ref_b)};
+
+    // FP32 with the layouts the core hands over: u and w as slices of one [U | W] tensor,
+    // the upstream gradient transposed.
+    auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    const at::Tensor uw = f32(at::cat({u, w}, -1));
+    const at::Tensor u32 = uw.narrow(-1, 0, c.dv), w32 = uw.narrow(-1, c.dv, c.dk);
+    std::optional<at::Tensor> s0_32, grad_s32;
+    if (s0) s0_32 = f32(*s0);
+    if (grad_s) grad_s32 = f32(*grad_s);
+    const at::Tensor grad_o32 = f32(grad_o).transpose(0, 1).contiguous().transpose(0, 1);
+    const chunk_state_internal::ScanLauncher scan = [](const ChunkStateScanArgs& args) {
+      run_emulated(args);
+    };
+    const auto [o2, s2, states2, v_new2] = chunk_state_internal::forward_via_scan(
+        u32, w32, f32(qd), f32(p), f32(kend), f32(g_last), s0_32, scan);
+    const auto got_b = chunk_state_internal::backward_via_scan(
+        grad_o32, grad_s32, w32, f32(qd), f32(p), f32(kend), f32(g_last), states2, v_new2, scan);
+    const std::vector<at::Tensor> got = {o2,
+                                         s2,
+                                         states2,
+                                         v_new2,
+                                         std::get<0>(got_b),
+                                         std::get<1>(got_b),
+                                         std::get<2>(got_b),
+                                         std::get<3>(got_b),
+                                         std::get<4>(got_b),
+                                         std::get<5>(got_b),
+                                         std::get<6>(got_b)};
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i].sizes(), ref[i].sizes()) << names[i];
+      EXPECT_EQ(got[i].scalar_type(), at::kFloat) << names[i];
+      EXPECT_LE(relative_error(got[i], ref[i]), 1e-4) << "N=" << c.N << " " << names[i];
+    }
+  }
+}
 
 }  // namespace
 }  // namespace gdr::kernels
