@@ -87,11 +87,16 @@ at::Tensor initial_state_or_zeros(const std::optional<at::Tensor>& initial_state
 std::mutex g_impl_mutex;
 std::optional<GdrCoreImpl> g_impl_override;
 std::atomic<int> g_last_step7{static_cast<int>(GdrCoreImpl::kComposite)};
+std::atomic<bool> g_op_on_cpu_for_testing{false};
 
-// Step 7 by the chunk_state_pass op: only where its CUDA kernel applies (see the header).
+// Step 7 by the chunk_state_pass op: only where its CUDA kernel applies (see the header),
+// or on CPU (any shape and dtype: the op's CPU implementation) when a test asked for it.
 bool use_chunk_state_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, int64_t dk,
                             int64_t dv) {
-  if (!q.is_cuda() || gdr_core_impl() != GdrCoreImpl::kKernel) return false;
+  if (!q.is_cuda()) {
+    return g_op_on_cpu_for_testing.load() && gdr_core_impl() == GdrCoreImpl::kKernel;
+  }
+  if (gdr_core_impl() != GdrCoreImpl::kKernel) return false;
   if (ct != at::kFloat || C != kernels::kChunkStateChunk ||
       !kernels::chunk_state_scan_supports(dk, dv)) {
     return false;
@@ -131,6 +136,8 @@ GdrCoreImpl gdr_core_impl() {
 }
 
 GdrCoreImpl gdr_core_last_step7() { return static_cast<GdrCoreImpl>(g_last_step7.load()); }
+
+void set_gdr_core_op_on_cpu_for_testing(bool enabled) { g_op_on_cpu_for_testing.store(enabled); }
 
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& g,

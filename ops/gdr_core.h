@@ -58,6 +58,12 @@ const char* to_string(GdrCoreImpl impl);
 // (kComposite on CPU, or where the kernel does not apply); for tests and benchmarks.
 GdrCoreImpl gdr_core_last_step7();
 
+// Tests only (off by default): on CPU, also run step 7 through the chunk_state_pass op
+// (its CPU implementation, any dtype, shape and chunk size) when the switch says kernel,
+// so the op's wiring into the core and its autograd can be checked against the composite
+// in FP64 without a GPU. CPU numerics are unchanged while it is off.
+void set_gdr_core_op_on_cpu_for_testing(bool enabled);
+
 // The one entry point models call. Today it runs gated_delta_rule_chunked on every
 // device; a CUDA kernel will be dispatched from here without changing callers.
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(

@@ -259,5 +259,43 @@ TEST_F(GdrCoreImplSwitch, CpuKeepsTheCompositeStepWhateverTheSwitchSays) {
   EXPECT_TRUE(at::equal(std::get<1>(results[0]), std::get<1>(results[1])));
 }
 
+TEST_F(GdrCoreImplSwitch, TheOpWiredIntoTheCoreMatchesTheCompositeStepWithGradientsInFp64) {
+  at::manual_seed(4);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const int64_t B = 2, T = 45, H = 3, dk = 5, dv = 4;  // chunk 8: 6 chunks, the last padded
+  at::Tensor q = at::randn({B, T, H, dk}, f64), k = at::randn({B, T, H, dk}, f64);
+  std::vector<at::Tensor> inputs = {q / q.norm(2, -1, true),
+                                    k / k.norm(2, -1, true),
+                                    at::randn({B, T, H, dv}, f64),
+                                    -2.0 * at::rand({B, T, H}, f64),
+                                    at::sigmoid(at::randn({B, T, H}, f64)),
+                                    at::randn({B, H, dk, dv}, f64)};
+  const at::Tensor w_o = at::randn({B, T, H, dv}, f64), w_s = at::randn({B, H, dk, dv}, f64);
+  auto run = [&](bool through_op) {
+    set_gdr_core_op_on_cpu_for_testing(through_op);
+    std::vector<at::Tensor> leaves;
+    for (const at::Tensor& t : inputs) leaves.push_back(t.detach().requires_grad_(true));
+    auto [o, s] = gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                           0.4, leaves[5], true, 8);
+    EXPECT_EQ(gdr_core_last_step7(), through_op ? GdrCoreImpl::kKernel : GdrCoreImpl::kComposite);
+    std::vector<at::Tensor> out = {o.detach(), s.detach()};
+    for (const at::Tensor& g : torch::autograd::grad({(o * w_o).sum() + (s * w_s).sum()}, leaves))
+      out.push_back(g);
+    set_gdr_core_op_on_cpu_for_testing(false);
+    return out;
+  };
+  const std::vector<at::Tensor> composite = run(false), op = run(true);
+  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  for (size_t i = 0; i < op.size(); ++i) {
+    EXPECT_LT(max_abs_diff(op[i], composite[i]), 1e-11) << names[i];
+  }
+  // The hook leaves the CPU path alone when the switch says composite.
+  set_gdr_core_op_on_cpu_for_testing(true);
+  set_gdr_core_impl(GdrCoreImpl::kComposite);
+  gated_delta_rule_chunked(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], 0.4);
+  EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite);
+  set_gdr_core_op_on_cpu_for_testing(false);
+}
+
 }  // namespace
 }  // namespace gdr
