@@ -11,6 +11,11 @@ CUDA_GENCODE = [
     "-gencode=arch=compute_90,code=compute_90",
 ]
 
+# `--define=cuda_archs=sm90` (tools/gpu/make_bundle.sh): H100/H200 machine code only. The
+# GPU bundle links the kernels statically into every binary, and four architectures made
+# it too big to carry to the GPU machine.
+CUDA_GENCODE_SM90 = ["-gencode=arch=compute_90,code=sm_90"]
+
 CUDA_COPTS = [
     "-std=c++17",
     "-O3",
@@ -19,6 +24,19 @@ CUDA_COPTS = [
     "-Xcompiler=-O3",
     "-lineinfo",
 ]
+
+def _nvcc_cmd(src, gencode, copts):
+    return " ".join([
+        NVCC,
+        "-ccbin $(CC)",
+        " ".join(gencode),
+        " ".join(CUDA_COPTS),
+        " ".join(copts),
+        "-I.",
+        "-I$(GENDIR)",
+        "-c $(location %s)" % src,
+        "-o $@",
+    ])
 
 def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
     """A cc_library whose objects come from nvcc.
@@ -40,17 +58,10 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
             name = "%s_%s_nvcc" % (name, stem),
             srcs = [src] + hdrs,
             outs = [obj],
-            cmd = " ".join([
-                NVCC,
-                "-ccbin $(CC)",
-                " ".join(CUDA_GENCODE),
-                " ".join(CUDA_COPTS),
-                " ".join(copts),
-                "-I.",
-                "-I$(GENDIR)",
-                "-c $(location %s)" % src,
-                "-o $@",
-            ]),
+            cmd = select({
+                "//third_party/cuda:sm90_only": _nvcc_cmd(src, CUDA_GENCODE_SM90, copts),
+                "//conditions:default": _nvcc_cmd(src, CUDA_GENCODE, copts),
+            }),
             toolchains = ["@bazel_tools//tools/cpp:current_cc_toolchain"],
             tags = ["cuda"],
         )

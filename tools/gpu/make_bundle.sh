@@ -2,7 +2,8 @@
 # Builds every gpu-tagged test and every benchmark binary with the CUDA libtorch and
 # copies them (dereferenced, with their runfiles data, without libtorch itself) into
 # .gpu/, with .gpu/run_all.sh. Then one device run runs them all on a GPU machine:
-#   device run, carry [".gpu"], command: bash .gpu/run_all.sh
+#   device run, carry [".gpu.tar.xz"], command: unpack it (docs/gpu_runs.md), then
+#   bash .gpu/run_all.sh
 # run_all.sh writes gpu_tests.log, junit.tar and bench.md under $OUT (or ./gpu-out).
 # On a GPU box that has Bazel, `bazel test --test_tag_filters=gpu //...` also works.
 set -euo pipefail
@@ -17,7 +18,7 @@ mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc
 echo "make_bundle: ${#tests[@]} GPU tests, ${#benches[@]} benchmarks"
 # Static linking of our own libraries keeps the bundle self-contained apart from
 # libtorch/CUDA, which the GPU machine has.
-bazel build --dynamic_mode=off "${tests[@]}" "${benches[@]}" "${clis[@]}"
+bazel build --dynamic_mode=off --define=cuda_archs=sm90 "${tests[@]}" "${benches[@]}" "${clis[@]}"
 
 rm -rf .gpu
 mkdir -p .gpu/tests .gpu/bench .gpu/tools
@@ -48,3 +49,7 @@ for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
 done
 cp tools/gpu/run_all.sh .gpu/run_all.sh
 du -sh .gpu
+# The binaries share most of their bytes (statically linked kernels and libraries): one xz
+# stream with a 64 MiB dictionary packs ~100 MB into a few MB for the device carry.
+tar -cf - .gpu | xz -9 -T1 -c > .gpu.tar.xz
+ls -l .gpu.tar.xz
