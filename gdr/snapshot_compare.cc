@@ -110,6 +110,9 @@ TensorComparison compare_tensors(const std::string& file, const std::string& nam
   const auto* pa = static_cast<const uint8_t*>(a.data_ptr());
   const auto* pb = static_cast<const uint8_t*>(b.data_ptr());
   c.has_ulp = is_float(dtype);
+  // Equal tensors are the common case (a passing protocol reads ~26 GB per 0.8B step): one
+  // memcmp of the whole buffer, and the per-element walk only for tensors that differ.
+  if (std::memcmp(pa, pb, static_cast<size_t>(c.numel * size)) == 0) return c;
   for (int64_t i = 0; i < c.numel; ++i) {
     const uint8_t* ea = pa + i * size;
     const uint8_t* eb = pb + i * size;
