@@ -16,9 +16,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
+#include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
+#include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
 
 namespace gdr {
@@ -88,6 +91,28 @@ std::mutex g_impl_mutex;
 std::optional<GdrCoreImpl> g_impl_override;
 std::atomic<int> g_last_step7{static_cast<int>(GdrCoreImpl::kComposite)};
 std::atomic<bool> g_op_on_cpu_for_testing{false};
+std::optional<GdrCorePrep> g_prep_override;  // guarded by g_impl_mutex
+std::atomic<int> g_last_prep{static_cast<int>(GdrCorePrep::kAten)};
+std::atomic<bool> g_prep_op_on_cpu_for_testing{false};
+
+// Steps 1-6 by the chunk_prep op: only where its CUDA kernels apply (see the header), or
+// on CPU (its reference implementation, any dtype, shape and chunk size) when a test
+// asked for it.
+bool use_chunk_prep_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, int64_t dk,
+                           int64_t dv) {
+  if (!q.is_cuda()) {
+    return g_prep_op_on_cpu_for_testing.load() && gdr_core_prep() == GdrCorePrep::kKernel;
+  }
+  if (gdr_core_prep() != GdrCorePrep::kKernel) return false;
+  if (ct != at::kFloat || C != kernels::kChunkPrepChunk || !kernels::chunk_prep_supports(dk, dv)) {
+    return false;
+  }
+  TORCH_CHECK(chunk_prep_has_cuda_kernel(),
+              "gated_delta_rule_chunked: the GDR core prep implementation is 'kernel' but this "
+              "binary has no CUDA implementation of gdr::chunk_prep; link //ops:cuda_ops or set "
+              "GDR_CORE_PREP=aten");
+  return true;
+}
 
 // Step 7 by the chunk_state_pass op: only where its CUDA kernel applies (see the header),
 // or on CPU (any shape and dtype: the op's CPU implementation) when a test asked for it.
@@ -139,6 +164,35 @@ GdrCoreImpl gdr_core_last_step7() { return static_cast<GdrCoreImpl>(g_last_step7
 
 void set_gdr_core_op_on_cpu_for_testing(bool enabled) { g_op_on_cpu_for_testing.store(enabled); }
 
+const char* to_string(GdrCorePrep prep) { return prep == GdrCorePrep::kKernel ? "kernel" : "aten"; }
+
+GdrCorePrep parse_gdr_core_prep(const std::string& text, const std::string& source) {
+  if (text == "kernel") return GdrCorePrep::kKernel;
+  if (text == "aten") return GdrCorePrep::kAten;
+  TORCH_CHECK(false, source, ": expected kernel or aten, but got '", text, "'");
+}
+
+void set_gdr_core_prep(std::optional<GdrCorePrep> prep) {
+  std::lock_guard<std::mutex> lock(g_impl_mutex);
+  g_prep_override = prep;
+}
+
+GdrCorePrep gdr_core_prep() {
+  {
+    std::lock_guard<std::mutex> lock(g_impl_mutex);
+    if (g_prep_override.has_value()) return *g_prep_override;
+  }
+  const char* env = std::getenv("GDR_CORE_PREP");
+  if (env == nullptr || env[0] == '\0') return GdrCorePrep::kAten;
+  return parse_gdr_core_prep(env, "GDR_CORE_PREP");
+}
+
+GdrCorePrep gdr_core_last_prep() { return static_cast<GdrCorePrep>(g_last_prep.load()); }
+
+void set_gdr_core_prep_op_on_cpu_for_testing(bool enabled) {
+  g_prep_op_on_cpu_for_testing.store(enabled);
+}
+
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& g,
                                                     const at::Tensor& beta, double scale,
@@ -184,13 +238,12 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
   return {o, output_final_state ? S : at::Tensor()};
 }
 
-std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-    bool output_final_state, int64_t chunk_size) {
-  check_inputs("gated_delta_rule_chunked", q, k, v, g, beta, initial_state);
-  TORCH_CHECK(chunk_size > 0, "gated_delta_rule_chunked: expected chunk_size > 0 but got ",
-              chunk_size);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, double scale,
+                     int64_t chunk_size) {
+  check_inputs("chunk_prep_composite", q, k, v, g, beta, std::nullopt);
+  TORCH_CHECK(chunk_size > 0, "chunk_prep_composite: expected chunk_size > 0 but got ", chunk_size);
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
   const int64_t C = chunk_size;
   const int64_t N = (T + C - 1) / C;
@@ -240,16 +293,43 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
   // Step 6: intra-chunk attention with the diagonal kept.
   const at::Tensor P = Q.matmul(K.transpose(-1, -2)) * L;
 
-  // Step 7: the only sequential part, one [dk, dv] state per (batch, head).
   const at::Tensor Q_decayed = Q * G_col.exp();
   const at::Tensor G_last = G.narrow(-1, C - 1, 1);  // [B, H, N, 1]
   const at::Tensor K_to_end = K * (G_last.unsqueeze(-1) - G_col).exp();
+  return {U, W, Q_decayed, P, K_to_end, G_last.squeeze(-1)};
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+    bool output_final_state, int64_t chunk_size) {
+  check_inputs("gated_delta_rule_chunked", q, k, v, g, beta, initial_state);
+  TORCH_CHECK(chunk_size > 0, "gated_delta_rule_chunked: expected chunk_size > 0 but got ",
+              chunk_size);
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t C = chunk_size;
+  const int64_t N = (T + C - 1) / C;
+  const auto options = q.options().dtype(compute_dtype(q, k, v, g, beta));
+  const at::ScalarType ct = options.dtype().toScalarType();
+
+  // Steps 1-6.
+  at::Tensor U, W, Q_decayed, P, K_to_end, G_last;  // G_last: [B, H, N]
+  if (use_chunk_prep_kernel(q, ct, C, dk, dv)) {
+    g_last_prep.store(static_cast<int>(GdrCorePrep::kKernel));
+    std::tie(U, W, Q_decayed, P, K_to_end, G_last) = chunk_prep(q, k, v, g, beta, scale, C);
+  } else {
+    g_last_prep.store(static_cast<int>(GdrCorePrep::kAten));
+    std::tie(U, W, Q_decayed, P, K_to_end, G_last) =
+        chunk_prep_composite(q, k, v, g, beta, scale, C);
+  }
+
+  // Step 7: the only sequential part, one [dk, dv] state per (batch, head).
   if (use_chunk_state_kernel(q, ct, C, dk, dv)) {
     g_last_step7.store(static_cast<int>(GdrCoreImpl::kKernel));
     std::optional<at::Tensor> S0;
     if (initial_state.has_value() && initial_state->defined()) S0 = initial_state->to(ct);
     auto [o_chunks, S_final, states, v_new] =
-        chunk_state_pass(U, W, Q_decayed, P, K_to_end, G_last.squeeze(-1), S0);
+        chunk_state_pass(U, W, Q_decayed, P, K_to_end, G_last, S0);
     at::Tensor o = o_chunks.reshape({B, H, N * C, dv});
     o = o.narrow(2, 0, T).transpose(1, 2).to(v.scalar_type());  // [B, T, H, dv]
     return {o, output_final_state ? S_final : at::Tensor()};
@@ -261,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
   for (int64_t n = 0; n < N; ++n) {
     const at::Tensor Vn = U.select(2, n) - W.select(2, n).matmul(S);  // [B, H, C, dv]
     outputs.push_back(Q_decayed.select(2, n).matmul(S) + P.select(2, n).matmul(Vn));
-    S = S * G_last.select(2, n).exp().unsqueeze(-1) +
+    S = S * G_last.select(2, n).exp().unsqueeze(-1).unsqueeze(-1) +
         K_to_end.select(2, n).transpose(-1, -2).matmul(Vn);
   }
   at::Tensor o = at::stack(outputs, /*dim=*/2).reshape({B, H, N * C, dv});

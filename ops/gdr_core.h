@@ -22,7 +22,8 @@
 // for tight reference checks) whatever the input dtype, and only o is cast back.
 //
 // Gradients flow through libtorch autograd into q, k, v, g, beta and initial_state. Steps
-// 1-6 of the chunked form are ATen ops on every device. Step 7 (the inter-chunk state
+// 1-6 of the chunked form are ATen ops, or on CUDA the chunk_prep op when the prep switch
+// below says kernel. Step 7 (the inter-chunk state
 // pass) is, on CUDA in FP32 with the default chunk when the implementation switch below
 // says kernel, the chunk_state_pass op (ops/gdr_chunk_state.h: one kernel walk each way,
 // deterministic by construction); otherwise (CPU always, FP64, other chunk sizes, head
@@ -63,6 +64,36 @@ GdrCoreImpl gdr_core_last_step7();
 // so the op's wiring into the core and its autograd can be checked against the composite
 // in FP64 without a GPU. CPU numerics are unchanged while it is off.
 void set_gdr_core_op_on_cpu_for_testing(bool enabled);
+
+// Which implementation runs steps 1-6 of gated_delta_rule_chunked (everything before the
+// state pass: chunking, cumsum, decay mask, the WY solve, P, Qd, Kend) on CUDA. kKernel is
+// the chunk_prep op (ops/gdr_chunk_prep.h: one kernel each way, FP32, C = 64,
+// kernels::chunk_prep_supports(dk, dv)); kAten (the default for now) is the ATen
+// composition chunk_prep_composite below, which also serves the CPU, FP64, other chunk
+// sizes and head dims the kernel does not support. Resolution at every call:
+// set_gdr_core_prep's value when set, then GDR_CORE_PREP=kernel|aten, then kAten. An
+// invalid value is an error naming the source; kKernel on CUDA without //ops:cuda_ops
+// linked fails and says so.
+enum class GdrCorePrep { kKernel, kAten };
+void set_gdr_core_prep(std::optional<GdrCorePrep> prep);
+GdrCorePrep gdr_core_prep();
+GdrCorePrep parse_gdr_core_prep(const std::string& text, const std::string& source);
+const char* to_string(GdrCorePrep prep);
+
+// Which steps 1-6 the most recent gated_delta_rule_chunked call in this process ran.
+GdrCorePrep gdr_core_last_prep();
+
+// Tests only (off by default): on CPU, also run steps 1-6 through the chunk_prep op (its
+// CPU reference implementation) when the prep switch says kernel. CPU numerics are
+// unchanged while it is off.
+void set_gdr_core_prep_op_on_cpu_for_testing(bool enabled);
+
+// Steps 1-6 of the chunked form as ATen ops (differentiated by autograd): returns
+// (U, W, Q_decayed, P, K_to_end, G_last) with the shapes and meaning of chunk_prep's
+// outputs (ops/gdr_chunk_prep.h), in the compute dtype; U and W may be views.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size);
 
 // The one entry point models call. Today it runs gated_delta_rule_chunked on every
 // device; a CUDA kernel will be dispatched from here without changing callers.

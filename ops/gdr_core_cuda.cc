@@ -1,4 +1,6 @@
-// CUDA implementation of the chunk state pass op (ops/gdr_chunk_state.h): the
+// CUDA implementations of the chunk state pass op (ops/gdr_chunk_state.h) and of the
+// chunk prep op (ops/gdr_chunk_prep.h, kernels/gdr_chunk_prep.cu, below).
+// The chunk state pass op (ops/gdr_chunk_state.h): the
 // scan-based implementation (chunk_state_internal::forward_via_scan / backward_via_scan
 // in ops/gdr_chunk_state.cc) with the scan kernel (kernels/gdr_chunk_state.cu) launched
 // on the current stream. The sequential chunk walk is one kernel launch each way;
@@ -12,7 +14,9 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
+#include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
 
 namespace gdr {
@@ -54,11 +58,51 @@ chunk_state_backward_cuda(const std::optional<at::Tensor>& grad_o,
                                                  });
 }
 
+// The chunk prep (steps 1-6): one kernel each way on the current stream; everything else
+// in chunk_prep_internal::forward_via_kernel / backward_via_kernel is allocation and
+// layout checks (plus a cast for Half inputs and of the gradients to BF16 inputs).
+void check_prep_launch(int error, const char* what) {
+  TORCH_CHECK(error == cudaSuccess, "chunk_prep: ", what,
+              " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& g, const at::Tensor& beta, double scale,
+                        int64_t chunk_size) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  return chunk_prep_internal::forward_via_kernel(
+      q, k, v, g, beta, scale, chunk_size, [](const kernels::ChunkPrepForwardArgs& args) {
+        check_prep_launch(
+            kernels::launch_chunk_prep_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
+            "forward kernel");
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_prep_backward_cuda(
+    const std::optional<at::Tensor>& grad_u, const std::optional<at::Tensor>& grad_w,
+    const std::optional<at::Tensor>& grad_qd, const std::optional<at::Tensor>& grad_p,
+    const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
+    int64_t chunk_size) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  return chunk_prep_internal::backward_via_kernel(
+      grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g, beta, u, w, scale,
+      chunk_size, [](const kernels::ChunkPrepBackwardArgs& args) {
+        check_prep_launch(
+            kernels::launch_chunk_prep_backward(args, c10::cuda::getCurrentCUDAStream().stream()),
+            "backward kernel");
+      });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gdr, CUDA, m) {
   m.impl("chunk_state_pass", &chunk_state_forward_cuda);
   m.impl("chunk_state_pass_backward", &chunk_state_backward_cuda);
+  m.impl("chunk_prep", &chunk_prep_forward_cuda);
+  m.impl("chunk_prep_backward", &chunk_prep_backward_cuda);
 }
 
 }  // namespace gdr

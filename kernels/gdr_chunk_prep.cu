@@ -1,0 +1,80 @@
+// The chunk prep kernels of the chunked gated delta rule (steps 1-6, forward and
+// backward): __global__ wrappers around the bodies in kernels/gdr_chunk_prep_kernel.cuh
+// (see Note [Chunk prep determinism] there) and their launchers; the contract is in
+// kernels/gdr_chunk_prep.h.
+#include <cuda_runtime.h>
+
+#include "kernels/gdr_chunk_prep.h"
+#include "kernels/gdr_chunk_prep_kernel.cuh"
+
+namespace gdr::kernels {
+namespace chunk_prep_detail {
+
+// ----------------------------------------------------------------------------
+// CUDA kernels
+
+template <typename TIn>
+__global__ void __launch_bounds__(kThreads)
+    chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
+  extern __shared__ float smem[];
+  chunk_prep_forward_block<TIn>(args, smem);
+}
+
+template <typename TIn, int DK>
+__global__ void __launch_bounds__(kThreads)
+    chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
+  extern __shared__ float smem[];
+  chunk_prep_backward_block<TIn, DK>(args, smem);
+}
+
+// ----------------------------------------------------------------------------
+// kernel launcher
+
+// One block per (batch, head, chunk): B=1, T=2048, H=16 gives 512 blocks. The matrices of
+// a chunk (K, Q, the C x C products, the [U | W] panel) live in dynamic shared memory
+// (forward ~113 KiB, backward ~204 KiB at dk = dv = 128), above the 48 KiB default, so
+// each launch raises the kernel's limit first.
+template <typename Kernel, typename Args>
+int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* stream) {
+  const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
+  if (blocks <= 0) return static_cast<int>(cudaSuccess);
+  if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  const int bytes = static_cast<int>(smem_floats * sizeof(float));
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error != cudaSuccess) return static_cast<int>(error);
+  kernel<<<static_cast<unsigned int>(blocks), kThreads, bytes, stream>>>(args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace chunk_prep_detail
+
+int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream) {
+  using namespace chunk_prep_detail;
+  const ChunkPrepShape& s = args.shape;
+  if (!chunk_prep_supports(s.dk, s.dv)) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
+  if (s.input == ChunkPrepInput::kBFloat16) {
+    return launch(chunk_prep_forward_kernel<Bf16>, args, floats, stream);
+  }
+  return launch(chunk_prep_forward_kernel<float>, args, floats, stream);
+}
+
+int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream) {
+  using namespace chunk_prep_detail;
+  const ChunkPrepShape& s = args.shape;
+  if (!chunk_prep_supports(s.dk, s.dv)) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
+  const bool bf16 = s.input == ChunkPrepInput::kBFloat16;
+  switch (s.dk) {
+    case 64:
+      return bf16 ? launch(chunk_prep_backward_kernel<Bf16, 64>, args, floats, stream)
+                  : launch(chunk_prep_backward_kernel<float, 64>, args, floats, stream);
+    case 128:
+      return bf16 ? launch(chunk_prep_backward_kernel<Bf16, 128>, args, floats, stream)
+                  : launch(chunk_prep_backward_kernel<float, 128>, args, floats, stream);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace gdr::kernels

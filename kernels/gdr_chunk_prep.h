@@ -1,0 +1,112 @@
+// The per-chunk preparation of the chunked gated delta rule (steps 1-6 of the spec in the
+// shared design note qwen3_5.md) as one CUDA kernel each way: forward, one thread block
+// per (batch, head, chunk), produces exactly the operands of the chunk state scan
+// (kernels/gdr_chunk_state.h); backward, one block per (batch, head, chunk) again, turns
+// their gradients into gradients of q, k, v, g, beta. Plain C++ (no CUDA or torch headers).
+//
+// Per chunk of C = 64 rows (rows past the sequence end are zero: g = beta = q = k = v = 0):
+//   Q = scale * q;  G = cumsum(g) (inclusive);  L[i,j] = exp(G_i - G_j) for i >= j, else 0
+//   M = strict_lower(beta_i (K K^T) * L);  (I + M) [U | W] = [beta V | beta K * exp(G)]
+//   P = (Q K^T) * L (diagonal kept);  Qd = Q * exp(G);  Kend = K * exp(G_last - G)
+//   G_last = G_{C-1}
+// The backward is derived in ops/gdr_chunk_prep.h (Note [Chunk prep backward]).
+//
+// Layouts: q, k [B, T, H, dk], v [B, T, H, dv] contiguous, FP32 or BF16 (one type);
+// g, beta [B, T, H] contiguous FP32. Chunk outputs are contiguous FP32: u [B, H, N, C, dv],
+// w, qd, kend [B, H, N, C, dk], p [B, H, N, C, C], g_last [B, H, N]. Gradients dq, dk, dv,
+// dg, dbeta are contiguous FP32 in the input layouts. The launchers run on the stream
+// they are given. Results are deterministic: every block owns disjoint outputs (its
+// chunk's rows), every sum is one thread's fixed-order FP32 sum, no atomics (Note [Chunk
+// prep determinism] in kernels/gdr_chunk_prep_kernel.cuh).
+#pragma once
+
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace gdr::kernels {
+
+constexpr int kChunkPrepChunk = 64;     // C: chunk length the kernels are built for
+constexpr int kChunkPrepThreads = 256;  // threads per block
+constexpr int kChunkPrepSlab = 32;      // [U | W] columns staged per step of dM = -dR X^T
+// Dynamic shared memory one block may use (H100 / H200: 227 KiB opt-in).
+constexpr int64_t kChunkPrepMaxSharedBytes = 227 * 1024;
+
+enum class ChunkPrepInput { kFloat, kBFloat16 };
+
+// Shared memory of one block, in floats; see the layouts in the kernel bodies. Rows are
+// padded by one float so that threads walking down a column hit distinct banks.
+// NOTE: keep in sync with the carve-up at the top of each kernel body.
+inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
+  const int64_t C = kChunkPrepChunk;
+  return C * (dk + 1) + C * (dv + dk + 1) + C * (C + 1) + 3 * C;
+}
+inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
+  const int64_t C = kChunkPrepChunk;
+  return 2 * C * (dk + 1) + C * (dv + dk + 1) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 1) + 5 * C;
+}
+
+// dk is a template parameter of the backward (register arrays); dv splits into whole
+// 16-column groups and must leave the backward's shared memory within the limit
+// (dk = 128: dv <= 208; dk = 64: dv <= 272).
+inline bool chunk_prep_supports(int64_t dk, int64_t dv) {
+  return (dk == 64 || dk == 128) && dv > 0 && dv % 16 == 0 &&
+         chunk_prep_backward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes &&
+         chunk_prep_forward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes;
+}
+
+struct ChunkPrepShape {
+  int64_t batch = 0;   // B
+  int64_t tokens = 0;  // T
+  int64_t heads = 0;   // H
+  int64_t chunks = 0;  // N = ceil(T / C)
+  int dk = 0;
+  int dv = 0;
+  float scale = 1.0f;
+  ChunkPrepInput input = ChunkPrepInput::kFloat;
+};
+
+struct ChunkPrepForwardArgs {
+  ChunkPrepShape shape;
+  const void* q = nullptr;      // [B, T, H, dk]
+  const void* k = nullptr;      // [B, T, H, dk]
+  const void* v = nullptr;      // [B, T, H, dv]
+  const float* g = nullptr;     // [B, T, H]
+  const float* beta = nullptr;  // [B, T, H]
+  float* u = nullptr;           // [B, H, N, C, dv]
+  float* w = nullptr;           // [B, H, N, C, dk]
+  float* qd = nullptr;          // [B, H, N, C, dk]
+  float* p = nullptr;           // [B, H, N, C, C]
+  float* kend = nullptr;        // [B, H, N, C, dk]
+  float* g_last = nullptr;      // [B, H, N]
+};
+
+struct ChunkPrepBackwardArgs {
+  ChunkPrepShape shape;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const float* g = nullptr;
+  const float* beta = nullptr;
+  const float* u = nullptr;  // the forward's outputs (saved)
+  const float* w = nullptr;
+  // Upstream gradients in the chunk layouts; nullptr = zeros.
+  const float* grad_u = nullptr;
+  const float* grad_w = nullptr;
+  const float* grad_qd = nullptr;
+  const float* grad_p = nullptr;
+  const float* grad_kend = nullptr;
+  const float* grad_g_last = nullptr;
+  float* dq = nullptr;     // [B, T, H, dk]
+  float* dk = nullptr;     // [B, T, H, dk]
+  float* dv = nullptr;     // [B, T, H, dv]
+  float* dg = nullptr;     // [B, T, H]
+  float* dbeta = nullptr;  // [B, T, H]
+};
+
+// Return a cudaError_t as int (cudaSuccess = 0). Callers check chunk_prep_supports first;
+// unsupported shapes return cudaErrorInvalidValue without launching.
+int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream);
+int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream);
+
+}  // namespace gdr::kernels

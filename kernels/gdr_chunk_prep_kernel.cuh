@@ -1,0 +1,432 @@
+// The chunk prep kernel bodies (device code only; see kernels/gdr_chunk_prep.h for the
+// formulas and layouts). Included by kernels/gdr_chunk_prep.cu, which wraps each body in a
+// __global__ kernel with dynamic shared memory, and by the CPU test
+// //tests/ops:gdr_chunk_prep_kernel_emulation_test, which supplies host stand-ins for the
+// CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
+// NOTE: keep this file free of includes and of CUDA APIs beyond __device__,
+// __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, expf and fmaf: the
+// emulation test defines exactly those.
+//
+// Note [Chunk prep determinism]
+// One block owns one (batch, head, chunk) and writes only that chunk's rows of every
+// output (forward: its slice of u, w, qd, p, kend, g_last; backward: rows n*C .. n*C+C-1 of
+// dq, dk, dv, dg, dbeta for its head). Gradients never cross chunks: g reaches G only
+// through the cumsum inside its own chunk, and the chunk state scan carries everything
+// that does cross chunks. So there is no cross-block reduction, hence no atomics and no
+// scratch partials. Inside a block every output element and every row sum is accumulated
+// by one thread in a fixed index order, and the cumsums are one thread's sequential loop.
+// The same inputs therefore give the same bits on every run, stream and load.
+#pragma once
+
+#include "kernels/gdr_chunk_prep.h"
+
+namespace gdr::kernels::chunk_prep_detail {
+
+constexpr int kC = kChunkPrepChunk;
+constexpr int kThreads = kChunkPrepThreads;
+constexpr int kSide = 16;  // 16 x 16 threads, each a 4 x 4 tile of a C x C product
+constexpr int kTileRows = kC / kSide;
+constexpr int kSlab = kChunkPrepSlab;
+static_assert(kSide * kSide == kThreads, "C x C products use every thread once");
+static_assert(kC % kSide == 0, "C must split into whole tiles");
+
+// BF16 as stored by at::BFloat16: the high half of an FP32.
+struct Bf16 {
+  unsigned short bits;
+};
+__device__ __forceinline__ float load_float(const float* p) { return *p; }
+__device__ __forceinline__ float load_float(const Bf16* p) {
+  return __uint_as_float(static_cast<unsigned>(p->bits) << 16);
+}
+
+// Where a block's chunk lives.
+struct ChunkPlace {
+  long long block;  // (b * H + h) * N + n: index of the chunk in the [B, H, N] outputs
+  long long row0;   // element offset of token n*C, head h in [B, T, H] (times d for q/k/v)
+  int rows;         // rows of the chunk inside the sequence (the rest are padding)
+};
+
+__device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
+  ChunkPlace place;
+  place.block = blockIdx.x;
+  const long long n = place.block % s.chunks;
+  const long long bh = place.block / s.chunks;
+  const long long h = bh % s.heads, b = bh / s.heads;
+  const long long t0 = n * kC;
+  place.row0 = (b * s.tokens + t0) * s.heads + h;
+  const long long left = s.tokens - t0;
+  place.rows = left < kC ? static_cast<int>(left) : kC;
+  return place;
+}
+
+// Loads g and beta of the chunk (zeros past the end) and forms G = cumsum(g) and exp(G).
+// One thread does the cumsum: 64 sequential adds, a fixed order (the ATen composite's
+// scan order differs, which only moves the last bits).
+__device__ __forceinline__ void load_decays(const ChunkPrepShape& s, const ChunkPlace& place,
+                                            const float* g, const float* beta, float* gs, float* bs,
+                                            float* es) {
+  const int tid = threadIdx.x;
+  if (tid < kC) {
+    const bool real = tid < place.rows;
+    const long long at = place.row0 + static_cast<long long>(tid) * s.heads;
+    gs[tid] = real ? g[at] : 0.0f;
+    bs[tid] = real ? beta[at] : 0.0f;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float acc = 0.0f;
+    for (int i = 0; i < kC; ++i) {
+      acc += gs[i];
+      gs[i] = acc;
+      es[i] = expf(acc);
+    }
+  }
+}
+
+// K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
+template <typename TIn>
+__device__ __forceinline__ void load_qk(const ChunkPrepShape& s, const ChunkPlace& place,
+                                        const TIn* q, const TIn* k, float* qs, int q_pitch,
+                                        float* ks, int k_pitch) {
+  const int dk = s.dk;
+  for (int e = threadIdx.x; e < kC * dk; e += kThreads) {
+    const int i = e / dk, c = e % dk;
+    float qv = 0.0f, kv = 0.0f;
+    if (i < place.rows) {
+      const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * dk + c;
+      qv = load_float(q + at) * s.scale;
+      kv = load_float(k + at);
+    }
+    qs[i * q_pitch + c] = qv;
+    ks[i * k_pitch + c] = kv;
+  }
+}
+
+// Thread (ti, tj) computes rows ti + 16a and columns tj + 16b (a, b < 4) of K K^T and
+// Q K^T, dk summed in order. Within a warp ti takes two values (two broadcast words) and
+// tj sixteen consecutive rows of an odd pitch (sixteen banks).
+__device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const float* ks,
+                                           int k_pitch, int dk, float (&kk)[kTileRows][kTileRows],
+                                           float (&qk)[kTileRows][kTileRows]) {
+  const int ti = threadIdx.x / kSide, tj = threadIdx.x % kSide;
+  for (int a = 0; a < kTileRows; ++a) {
+    for (int b = 0; b < kTileRows; ++b) kk[a][b] = qk[a][b] = 0.0f;
+  }
+  for (int c = 0; c < dk; ++c) {
+    float kr[kTileRows], qr[kTileRows], kc[kTileRows];
+#pragma unroll
+    for (int a = 0; a < kTileRows; ++a) {
+      kr[a] = ks[(ti + kSide * a) * k_pitch + c];
+      qr[a] = qs[(ti + kSide * a) * q_pitch + c];
+      kc[a] = ks[(tj + kSide * a) * k_pitch + c];
+    }
+#pragma unroll
+    for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+      for (int b = 0; b < kTileRows; ++b) {
+        kk[a][b] = fmaf(kr[a], kc[b], kk[a][b]);
+        qk[a][b] = fmaf(qr[a], kc[b], qk[a][b]);
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
+
+// Forward. Shared memory (floats): ks [C][dk+1] K; rs [C][dv+dk+1], first scale*Q (in its
+// first dk columns), then the right-hand side [beta V | beta K exp(G)] solved in place
+// into [U | W]; ms [C][C+1] M; gs, bs, es [C] G, beta, exp(G).
+// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync) the
+// right-hand side -> (sync) forward substitution, one thread per column: row i of [U | W]
+// is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the substitution
+// needs no barrier at all.
+template <typename TIn>
+__device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
+  const ChunkPrepShape& s = args.shape;
+  const int dk = s.dk, dv = s.dv, cols = dv + dk;
+  const int kp = dk + 1, rp = cols + 1, mp = kC + 1;
+  float* ks = smem;
+  float* rs = ks + kC * kp;
+  float* ms = rs + kC * rp;
+  float* gs = ms + kC * mp;
+  float* bs = gs + kC;
+  float* es = bs + kC;
+  const int tid = threadIdx.x;
+  const ChunkPlace place = chunk_place(s);
+  const TIn* q = static_cast<const TIn*>(args.q);
+  const TIn* k = static_cast<const TIn*>(args.k);
+  const TIn* v = static_cast<const TIn*>(args.v);
+
+  load_qk(s, place, q, k, rs, rp, ks, kp);
+  load_decays(s, place, args.g, args.beta, gs, bs, es);  // ends with the cumsum, no barrier
+  __syncthreads();
+
+  float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
+  gram_tiles(rs, rp, ks, kp, dk, kk, qk);
+  const int ti = tid / kSide, tj = tid % kSide;
+  float* p = args.p + place.block * kC * kC;
+  for (int a = 0; a < kTileRows; ++a) {
+    for (int b = 0; b < kTileRows; ++b) {
+      const int i = ti + kSide * a, j = tj + kSide * b;
+      // exp only where i >= j: above the diagonal G_i - G_j > 0 could overflow.
+      const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
+      ms[i * mp + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
+      p[i * kC + j] = qk[a][b] * l;
+    }
+  }
+  const float g_last = gs[kC - 1];
+  float* qd = args.qd + place.block * kC * dk;
+  float* kend = args.kend + place.block * kC * dk;
+  for (int e = tid; e < kC * dk; e += kThreads) {
+    const int i = e / dk, c = e % dk;
+    qd[e] = rs[i * rp + c] * es[i];
+    kend[e] = ks[i * kp + c] * expf(g_last - gs[i]);
+  }
+  if (tid == 0) args.g_last[place.block] = g_last;
+  __syncthreads();  // Q in rs is read for the last time above
+
+  for (int e = tid; e < kC * dv; e += kThreads) {
+    const int i = e / dv, c = e % dv;
+    const float vv =
+        i < place.rows ? load_float(v + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c)
+                       : 0.0f;
+    rs[i * rp + c] = vv * bs[i];
+  }
+  for (int e = tid; e < kC * dk; e += kThreads) {
+    const int i = e / dk, c = e % dk;
+    rs[i * rp + dv + c] = (ks[i * kp + c] * bs[i]) * es[i];
+  }
+  __syncthreads();
+
+  float* u = args.u + place.block * kC * dv;
+  float* w = args.w + place.block * kC * dk;
+  for (int c = tid; c < cols; c += kThreads) {
+    for (int i = 0; i < kC; ++i) {
+      float x = rs[i * rp + c];
+      for (int j = 0; j < i; ++j) x = fmaf(-ms[i * mp + j], rs[j * rp + c], x);
+      rs[i * rp + c] = x;
+      if (c < dv) {
+        u[i * dv + c] = x;
+      } else {
+        w[i * dk + c - dv] = x;
+      }
+    }
+  }
+}
+
+// Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h). Shared
+// memory (floats): ks, qs [C][dk+1] K and scale*Q; rs [C][dv+dk+1] [dU | dW] solved in
+// place into dR = (I + M)^-T [dU | dW]; kl [C][C+1] (K K^T) * L strictly below the
+// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] dM, later
+// dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column slab of [U | W]; gs, bs, es, dgs, fs [C].
+// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, pm and [dU | dW]
+// -> rs; 2 back substitution per column (row i of dR is dX_i - sum_{j>i} M_ji dR_j, j in
+// order); 3 dM = -dR X^T below the diagonal, X streamed through xs; 4 elementwise
+// C x C: E, dM .* kl, dKK, dQK; 5 one thread per row: dbeta and the row part of dG
+// (thread 0 then adds the G_last terms and runs the reverse cumsum into dg); 6 one
+// thread per column of dk, dq over DK/ (256/DK)-row stripes, and dv.
+template <typename TIn, int DK>
+__device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
+  const ChunkPrepShape& s = args.shape;
+  const int dv = s.dv, cols = dv + DK;
+  const int kp = DK + 1, rp = cols + 1, mp = kC + 1, xp = kSlab + 1;
+  float* ks = smem;
+  float* qs = ks + kC * kp;
+  float* rs = qs + kC * kp;
+  float* kl = rs + kC * rp;
+  float* pm = kl + kC * mp;
+  float* d1 = pm + kC * mp;
+  float* d2 = d1 + kC * mp;
+  float* xs = d2 + kC * mp;
+  float* gs = xs + kC * xp;
+  float* bs = gs + kC;
+  float* es = bs + kC;
+  float* dgs = es + kC;
+  float* fs = dgs + kC;
+  const int tid = threadIdx.x;
+  const ChunkPlace place = chunk_place(s);
+  const TIn* q = static_cast<const TIn*>(args.q);
+  const TIn* k = static_cast<const TIn*>(args.k);
+  const TIn* v = static_cast<const TIn*>(args.v);
+  const long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
+
+  // Phase 0.
+  load_qk(s, place, q, k, qs, kp, ks, kp);
+  load_decays(s, place, args.g, args.beta, gs, bs, es);
+  __syncthreads();
+
+  // Phase 1.
+  {
+    float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
+    gram_tiles(qs, kp, ks, kp, DK, kk, qk);
+    const int ti = tid / kSide, tj = tid % kSide;
+    for (int a = 0; a < kTileRows; ++a) {
+      for (int b = 0; b < kTileRows; ++b) {
+        const int i = ti + kSide * a, j = tj + kSide * b;
+        const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
+        kl[i * mp + j] = i > j ? kk[a][b] * l : 0.0f;
+        pm[i * mp + j] = qk[a][b] * l;
+      }
+    }
+  }
+  for (int e = tid; e < kC * dv; e += kThreads) {
+    rs[(e / dv) * rp + e % dv] = args.grad_u ? args.grad_u[chunk_dv + e] : 0.0f;
+  }
+  for (int e = tid; e < kC * DK; e += kThreads) {
+    rs[(e / DK) * rp + dv + e % DK] = args.grad_w ? args.grad_w[chunk_dk + e] : 0.0f;
+  }
+  __syncthreads();
+
+  // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
+  for (int c = tid; c < cols; c += kThreads) {
+    for (int i = kC - 1; i >= 0; --i) {
+      float y = rs[i * rp + c];
+      for (int j = i + 1; j < kC; ++j) y = fmaf(-(bs[j] * kl[j * mp + i]), rs[j * rp + c], y);
+      rs[i * rp + c] = y;
+    }
+  }
+  __syncthreads();
+
+  // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W].
+  {
+    const int ti = tid / kSide, tj = tid % kSide;
+    float acc[kTileRows][kTileRows];
+    for (int a = 0; a < kTileRows; ++a) {
+      for (int b = 0; b < kTileRows; ++b) acc[a][b] = 0.0f;
+    }
+    for (int c0 = 0; c0 < cols; c0 += kSlab) {
+      const int width = cols - c0 < kSlab ? cols - c0 : kSlab;
+      for (int e = tid; e < kC * kSlab; e += kThreads) {
+        const int j = e / kSlab, cc = e % kSlab, c = c0 + cc;
+        float x = 0.0f;
+        if (cc < width)
+          x = c < dv ? args.u[chunk_dv + j * dv + c] : args.w[chunk_dk + j * DK + c - dv];
+        xs[j * xp + cc] = x;
+      }
+      __syncthreads();
+      for (int cc = 0; cc < width; ++cc) {
+        float dr[kTileRows], x[kTileRows];
+#pragma unroll
+        for (int a = 0; a < kTileRows; ++a) {
+          dr[a] = rs[(ti + kSide * a) * rp + c0 + cc];
+          x[a] = xs[(tj + kSide * a) * xp + cc];
+        }
+#pragma unroll
+        for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+          for (int b = 0; b < kTileRows; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
+        }
+      }
+      __syncthreads();
+    }
+    for (int a = 0; a < kTileRows; ++a) {
+      for (int b = 0; b < kTileRows; ++b) {
+        const int i = ti + kSide * a, j = tj + kSide * b;
+        d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Phase 4. E_ij = dL_ij L_ij for i > j (the diagonal's G_i - G_i cancels), with
+  // dL = dM beta_i (K K^T) + dP (Q K^T); dKK = dM beta_i L; dQK = dP L (diagonal kept).
+  const float* grad_p = args.grad_p ? args.grad_p + place.block * kC * kC : nullptr;
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e % kC;
+    const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
+    const float dm = d1[i * mp + j];
+    const float dp = grad_p ? grad_p[e] : 0.0f;
+    const float klv = kl[i * mp + j];
+    pm[i * mp + j] = i > j ? bs[i] * dm * klv + dp * pm[i * mp + j] : 0.0f;
+    kl[i * mp + j] = dm * klv;
+    d1[i * mp + j] = dm * bs[i] * l;
+    d2[i * mp + j] = dp * l;
+  }
+  __syncthreads();
+
+  // Phase 5: row sums, one thread per row, c and j in order. Row i of a pitch-odd matrix
+  // starts in bank i: 32 threads walking their rows hit 32 banks.
+  const float g_last = gs[kC - 1];
+  const float* grad_qd = args.grad_qd ? args.grad_qd + chunk_dk : nullptr;
+  const float* grad_kend = args.grad_kend ? args.grad_kend + chunk_dk : nullptr;
+  if (tid < kC) {
+    const int i = tid;
+    const bool real = i < place.rows;
+    const long long v_row = (place.row0 + static_cast<long long>(i) * s.heads) * dv;
+    float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
+    for (int c = 0; c < dv; ++c) {
+      if (real) su = fmaf(load_float(v + v_row + c), rs[i * rp + c], su);
+    }
+    for (int c = 0; c < DK; ++c) {
+      const float kv = ks[i * kp + c];
+      sk = fmaf(kv, rs[i * rp + dv + c], sk);
+      if (grad_qd) sq = fmaf(grad_qd[i * DK + c], qs[i * kp + c], sq);
+      if (grad_kend) sf = fmaf(grad_kend[i * DK + c], kv, sf);
+    }
+    for (int j = 0; j < kC; ++j) {
+      sb += kl[i * mp + j];
+      row_e += pm[i * mp + j];
+      col_e += pm[j * mp + i];
+    }
+    const float f = expf(g_last - gs[i]) * sf;
+    fs[i] = f;
+    dgs[i] = bs[i] * es[i] * sk + es[i] * sq - f + row_e - col_e;
+    if (real) args.dbeta[place.row0 + static_cast<long long>(i) * s.heads] = su + es[i] * sk + sb;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // G_last = G_{C-1} feeds Kend (through exp(G_last - G_i)) and the state scan.
+    float f_total = 0.0f;
+    for (int i = 0; i < kC; ++i) f_total += fs[i];
+    const float dg_last = args.grad_g_last ? args.grad_g_last[place.block] : 0.0f;
+    dgs[kC - 1] += dg_last + f_total;
+    float acc = 0.0f;  // dg_t = sum_{t' >= t in the chunk} dG_t'
+    for (int i = kC - 1; i >= 0; --i) {
+      acc += dgs[i];
+      if (i < place.rows) args.dg[place.row0 + static_cast<long long>(i) * s.heads] = acc;
+    }
+  }
+
+  // Phase 6: dK_ic = sum_j (dKK_ij + dKK_ji) K_jc + dQK_ji Q_jc + beta_i exp(G_i) dRw_ic
+  // + dKend_ic exp(G_last - G_i);  dQ_ic = sum_j dQK_ij K_jc + dQd_ic exp(G_i);
+  // dq = scale dQ. Thread: column c = tid % DK, rows r0, r0 + stride, ...; a warp shares
+  // its rows, so the C x C reads are broadcasts.
+  {
+    constexpr int kStride = kThreads / DK;
+    constexpr int kRows = kC / kStride;
+    static_assert(kThreads % DK == 0 && kC % kStride == 0, "dk must tile the block");
+    const int c = tid % DK, r0 = tid / DK;
+    float acc_k[kRows], acc_q[kRows];
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) acc_k[m] = acc_q[m] = 0.0f;
+    for (int j = 0; j < kC; ++j) {
+      const float kj = ks[j * kp + c], qj = qs[j * kp + c];
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        const int i = r0 + kStride * m;
+        acc_k[m] = fmaf(d1[i * mp + j] + d1[j * mp + i], kj, acc_k[m]);
+        acc_k[m] = fmaf(d2[j * mp + i], qj, acc_k[m]);
+        acc_q[m] = fmaf(d2[i * mp + j], kj, acc_q[m]);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      const int i = r0 + kStride * m;
+      if (i >= place.rows) continue;
+      const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
+      const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+      const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
+      args.dk[at] = acc_k[m] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * expf(g_last - gs[i]);
+      args.dq[at] = (acc_q[m] + dqd * es[i]) * s.scale;
+    }
+  }
+  for (int e = tid; e < kC * dv; e += kThreads) {
+    const int i = e / dv, c = e % dv;
+    if (i < place.rows) {
+      args.dv[(place.row0 + static_cast<long long>(i) * s.heads) * dv + c] = bs[i] * rs[i * rp + c];
+    }
+  }
+}
+
+}  // namespace gdr::kernels::chunk_prep_detail

@@ -1,0 +1,91 @@
+// The per-chunk preparation of the chunked gated delta rule (steps 1-6 of the spec, shared
+// design note qwen3_5.md) as one dispatcher op with its own backward, so that the CUDA path
+// runs it as one kernel each way (kernels/gdr_chunk_prep.h) instead of ~40 ATen launches
+// of transposes, pads, casts, masks, products and a cuBLAS triangular solve (and their
+// autograd backwards).
+//
+// Inputs (one device): q, k [B, T, H, dk], v [B, T, H, dv] (one floating dtype), g, beta
+// [B, T, H] (Float or Double); scale (q's multiplier); chunk_size C.
+// Outputs, in the compute dtype (Double when any input is Double, else Float), contiguous,
+// N = ceil(T / C), tail rows of the last chunk zero-padded (g = beta = q = k = v = 0):
+//   u [B, H, N, C, dv], w [B, H, N, C, dk], qd [B, H, N, C, dk], p [B, H, N, C, C],
+//   kend [B, H, N, C, dk], g_last [B, H, N]
+// exactly the operands of chunk_state_pass (ops/gdr_chunk_state.h). Per chunk:
+//   Q = scale q;  G = cumsum(g);  L_ij = exp(G_i - G_j) (i >= j, else 0)
+//   M = strict_lower(beta_i (K K^T)_ij L_ij);  A = I + M;  X = [U | W] = A^-1 R,
+//   R = [beta V | beta K exp(G)];  P = (Q K^T) .* L;  Qd = Q exp(G);
+//   Kend = K exp(G_last - G);  G_last = G_{C-1}
+//
+// Note [Chunk prep backward]
+// Hand-derived; the CPU tests check it against libtorch autograd of the ATen steps 1-6 in
+// FP64. Given dU, dW, dQd, dP, dKend, dGlast (absent = zeros), per chunk:
+//   dR = A^-T [dU | dW]                    (back substitution, A^T unit upper triangular)
+//   dM = -(dR X^T) strictly below the diagonal (A's diagonal is constant)
+//   dV = beta dR_u;  dbeta_i = <V_i, dRu_i> + exp(G_i) <K_i, dRw_i> + sum_j dM_ij (KK^T L)_ij
+//   dKK = dM_ij beta_i L_ij;  dQK = dP .* L
+//   dK = (dKK + dKK^T) K + dQK^T Q + beta exp(G) dR_w + exp(G_last - G) dKend
+//   dQ = dQK K + exp(G) dQd;  dq = scale dQ
+//   E_ij = L_ij dL_ij for i > j, dL = beta_i dM (K K^T) + dP (Q K^T)  (the diagonal cancels)
+//   F_i = exp(G_last - G_i) <dKend_i, K_i>
+//   dG_i = beta_i exp(G_i) <K_i, dRw_i> + exp(G_i) <dQd_i, Q_i> - F_i + sum_j E_ij - sum_j E_ji
+//   dG_{C-1} += dGlast + sum_i F_i;  dg = reverse cumsum of dG within the chunk.
+// Gradients of padded rows are dropped (their dG still reaches the real rows' dg).
+//
+// CPU: any C, plain loops in the compute dtype (the reference). CUDA (ops/gdr_core_cuda.cc,
+// linked through //ops:cuda_ops): q, k, v Float or BFloat16 (Half is cast to Float
+// first), g, beta Float, C = 64, kernels::chunk_prep_supports(dk, dv); Float outputs;
+// the current stream; deterministic by construction (Note [Chunk prep determinism] in
+// kernels/gdr_chunk_prep_kernel.cuh). Gradients come back in the inputs' dtypes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <optional>
+#include <tuple>
+
+#include "kernels/gdr_chunk_prep.h"
+
+namespace gdr {
+
+// Autograd-aware entry point (dispatches to CPU or CUDA). Returns
+// (u, w, qd, p, kend, g_last).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_prep(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, int64_t chunk_size);
+
+// The backward alone (no autograd): u and w are the forward's outputs. Returns
+// (dq, dk, dv, dg, dbeta) in the dtypes of q, k, v, g, beta.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_prep_backward(
+    const std::optional<at::Tensor>& grad_u, const std::optional<at::Tensor>& grad_w,
+    const std::optional<at::Tensor>& grad_qd, const std::optional<at::Tensor>& grad_p,
+    const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
+    int64_t chunk_size);
+
+// True when a CUDA implementation of the op is linked into this binary.
+bool chunk_prep_has_cuda_kernel();
+
+namespace chunk_prep_internal {
+
+// The kernel-based implementation the CUDA op runs, device-agnostic so that CPU tests can
+// run it with a host emulation of the kernels: a launcher must do what
+// kernels::launch_chunk_prep_forward / _backward do. Checks the kernel's constraints
+// (dtypes, C = 64, supported dk / dv) with messages naming `chunk_prep`.
+using ForwardLauncher = std::function<void(const kernels::ChunkPrepForwardArgs&)>;
+using BackwardLauncher = std::function<void(const kernels::ChunkPrepBackwardArgs&)>;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+forward_via_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size,
+                   const ForwardLauncher& launch);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_via_kernel(
+    const std::optional<at::Tensor>& grad_u, const std::optional<at::Tensor>& grad_w,
+    const std::optional<at::Tensor>& grad_qd, const std::optional<at::Tensor>& grad_p,
+    const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
+    int64_t chunk_size, const BackwardLauncher& launch);
+
+}  // namespace chunk_prep_internal
+}  // namespace gdr

@@ -1,0 +1,257 @@
+// The chunk prep op on CPU: its reference forward and hand-derived backward (Note [Chunk
+// prep backward]) against libtorch autograd of the ATen steps 1-6 (chunk_prep_composite)
+// in FP64, tight; the op wired into gated_delta_rule_chunked through the CPU test hook
+// against the ATen path (outputs and all gradients); argument checks; the GDR_CORE_PREP
+// switch (API, environment variable, error messages) and the CPU path staying ATen.
+#include "ops/gdr_chunk_prep.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ops/gdr_core.h"
+
+namespace gdr {
+namespace {
+
+struct Case {
+  int64_t B, T, H, dk, dv, C;
+};
+
+std::string describe(const Case& c) {
+  return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) +
+         "_dk" + std::to_string(c.dk) + "_dv" + std::to_string(c.dv) + "_C" + std::to_string(c.C);
+}
+
+struct Inputs {
+  at::Tensor q, k, v, g, beta;
+};
+
+// As the model feeds the core: unit-norm q and k, beta in (0, 1), g in (-2, 0).
+Inputs make_inputs(const Case& c, uint64_t seed, at::ScalarType dtype = at::kDouble) {
+  at::manual_seed(seed);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  Inputs x;
+  x.q = at::randn({c.B, c.T, c.H, c.dk}, f64);
+  x.q = (x.q / x.q.norm(2, -1, true)).to(dtype);
+  x.k = at::randn({c.B, c.T, c.H, c.dk}, f64);
+  x.k = (x.k / x.k.norm(2, -1, true)).to(dtype);
+  x.v = at::randn({c.B, c.T, c.H, c.dv}, f64).to(dtype);
+  x.g = -2.0 * at::rand({c.B, c.T, c.H}, f64);
+  x.beta = at::sigmoid(at::randn({c.B, c.T, c.H}, f64));
+  return x;
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor bb = b.defined() ? b : at::zeros_like(a);
+  return (a.to(at::kDouble) - bb.to(at::kDouble)).abs().max().item<double>();
+}
+
+const char* kOutputNames[] = {"u", "w", "qd", "p", "kend", "g_last"};
+const char* kGradNames[] = {"dq", "dk", "dv", "dg", "dbeta"};
+
+class ChunkPrepCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ChunkPrepCpu, ForwardAndBackwardMatchAutogradOfTheAtenStepsInFp64) {
+  const Case c = GetParam();
+  const Inputs x = make_inputs(c, 7 + c.T + c.dk);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+  std::vector<at::Tensor> leaves = {x.q, x.k, x.v, x.g, x.beta};
+  for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
+
+  auto ref =
+      chunk_prep_composite(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale, c.C);
+  auto got = chunk_prep(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale, c.C);
+  const std::vector<at::Tensor> ref_out = {std::get<0>(ref), std::get<1>(ref), std::get<2>(ref),
+                                           std::get<3>(ref), std::get<4>(ref), std::get<5>(ref)};
+  const std::vector<at::Tensor> got_out = {std::get<0>(got), std::get<1>(got), std::get<2>(got),
+                                           std::get<3>(got), std::get<4>(got), std::get<5>(got)};
+  // Upstream gradients on every output (p's upper triangle too: the state pass hands
+  // over a full dP).
+  std::vector<at::Tensor> upstream;
+  for (size_t i = 0; i < ref_out.size(); ++i) {
+    ASSERT_EQ(got_out[i].sizes(), ref_out[i].sizes()) << kOutputNames[i];
+    EXPECT_EQ(got_out[i].scalar_type(), at::kDouble) << kOutputNames[i];
+    EXPECT_TRUE(got_out[i].is_contiguous()) << kOutputNames[i];
+    EXPECT_LT(max_abs_diff(got_out[i], ref_out[i]), 1e-12) << kOutputNames[i];
+    upstream.push_back(at::randn(ref_out[i].sizes(), at::kDouble));
+  }
+  auto loss_of = [&](const std::vector<at::Tensor>& outs) {
+    at::Tensor loss = at::zeros({}, at::kDouble);
+    for (size_t i = 0; i < outs.size(); ++i) loss = loss + (outs[i] * upstream[i]).sum();
+    return loss;
+  };
+  const auto grads_ref =
+      torch::autograd::grad({loss_of(ref_out)}, leaves, {}, /*retain_graph=*/true);
+  const auto grads = torch::autograd::grad({loss_of(got_out)}, leaves);
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    ASSERT_EQ(grads[i].sizes(), leaves[i].sizes()) << kGradNames[i];
+    EXPECT_LT(max_abs_diff(grads[i], grads_ref[i]), 1e-10) << "gradient " << kGradNames[i];
+  }
+
+  // Each output's gradient alone (the others absent), through the backward op directly.
+  for (size_t only = 0; only < upstream.size(); ++only) {
+    std::optional<at::Tensor> gr[6];
+    gr[only] = upstream[only];
+    const auto direct =
+        chunk_prep_backward(gr[0], gr[1], gr[2], gr[3], gr[4], gr[5], x.q, x.k, x.v, x.g, x.beta,
+                            got_out[0].detach(), got_out[1].detach(), scale, c.C);
+    const auto expected = torch::autograd::grad({(ref_out[only] * upstream[only]).sum()}, leaves,
+                                                {}, true, false, /*allow_unused=*/true);
+    const std::vector<at::Tensor> d = {std::get<0>(direct), std::get<1>(direct),
+                                       std::get<2>(direct), std::get<3>(direct),
+                                       std::get<4>(direct)};
+    for (size_t i = 0; i < d.size(); ++i) {
+      EXPECT_LT(max_abs_diff(d[i], expected[i]), 1e-10)
+          << "only d" << kOutputNames[only] << ": " << kGradNames[i];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ChunkPrepCpu,
+                         ::testing::Values(Case{1, 16, 1, 3, 2, 16}, Case{2, 45, 3, 5, 4, 8},
+                                           Case{1, 100, 2, 64, 32, 64}, Case{1, 64, 1, 64, 48, 64},
+                                           Case{1, 130, 2, 128, 64, 64},
+                                           Case{2, 70, 1, 16, 24, 64}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return describe(info.param);
+                         });
+
+TEST(ChunkPrepCpu, Fp32InputsComputeInFp32AndBf16GradientsComeBackInBf16) {
+  const Case c{1, 70, 2, 16, 8, 64};
+  const Inputs x64 = make_inputs(c, 3);
+  const Inputs x = make_inputs(c, 3, at::kBFloat16);
+  const at::Tensor g = x.g.to(at::kFloat), beta = x.beta.to(at::kFloat);
+  auto out = chunk_prep(x.q, x.k, x.v, g, beta, 0.25, c.C);
+  EXPECT_EQ(std::get<0>(out).scalar_type(), at::kFloat);
+  auto ref = chunk_prep(x.q.to(at::kDouble), x.k.to(at::kDouble), x.v.to(at::kDouble),
+                        g.to(at::kDouble), beta.to(at::kDouble), 0.25, c.C);
+  EXPECT_LT(max_abs_diff(std::get<0>(out), std::get<0>(ref)), 1e-5);
+  auto grads = chunk_prep_backward(std::get<0>(out), std::get<1>(out), std::nullopt, std::nullopt,
+                                   std::nullopt, std::nullopt, x.q, x.k, x.v, g, beta,
+                                   std::get<0>(out), std::get<1>(out), 0.25, c.C);
+  EXPECT_EQ(std::get<0>(grads).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(std::get<2>(grads).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(std::get<3>(grads).scalar_type(), at::kFloat);
+  (void)x64;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+TEST(ChunkPrepChecks, ReportsTheArgumentAndExpectedVersusActual) {
+  const Inputs x = make_inputs(Case{1, 10, 2, 4, 3, 8}, 1);
+  EXPECT_EQ(error_of([&] { chunk_prep(x.q, x.k, x.v, x.g.narrow(1, 0, 9), x.beta, 1.0, 8); }),
+            "chunk_prep: expected g of shape [1, 10, 2] but got [1, 9, 2]");
+  EXPECT_EQ(error_of([&] { chunk_prep(x.q, x.k, x.v.to(at::kFloat), x.g, x.beta, 1.0, 8); }),
+            "chunk_prep: expected q, k, v of one floating dtype but got Double, Double, Float");
+  EXPECT_EQ(error_of([&] { chunk_prep(x.q, x.k, x.v, x.g, x.beta, 1.0, 0); }),
+            "chunk_prep: expected chunk_size > 0 but got 0");
+}
+
+// ---------------------------------------------------------------------------
+// The prep switch and the op wired into the core
+
+class GdrCorePrepSwitch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    set_gdr_core_prep(std::nullopt);
+    set_gdr_core_prep_op_on_cpu_for_testing(false);
+    unsetenv("GDR_CORE_PREP");
+  }
+  void TearDown() override { SetUp(); }
+};
+
+TEST_F(GdrCorePrepSwitch, DefaultsToAtenAndParsesBothNames) {
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  EXPECT_EQ(parse_gdr_core_prep("kernel", "test"), GdrCorePrep::kKernel);
+  EXPECT_EQ(parse_gdr_core_prep("aten", "test"), GdrCorePrep::kAten);
+  EXPECT_STREQ(to_string(GdrCorePrep::kKernel), "kernel");
+  EXPECT_STREQ(to_string(GdrCorePrep::kAten), "aten");
+}
+
+TEST_F(GdrCorePrepSwitch, EnvironmentVariableIsReadAtEveryCallAndTheApiWins) {
+  setenv("GDR_CORE_PREP", "kernel", 1);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
+  setenv("GDR_CORE_PREP", "aten", 1);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  setenv("GDR_CORE_PREP", "", 1);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  setenv("GDR_CORE_PREP", "aten", 1);
+  set_gdr_core_prep(GdrCorePrep::kKernel);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
+  set_gdr_core_prep(std::nullopt);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+}
+
+TEST_F(GdrCorePrepSwitch, InvalidValuesAreRefusedNamingTheSource) {
+  EXPECT_EQ(error_of([] { parse_gdr_core_prep("composite", "--gdr_core_prep"); }),
+            "--gdr_core_prep: expected kernel or aten, but got 'composite'");
+  setenv("GDR_CORE_PREP", "Kernel", 1);
+  EXPECT_EQ(error_of([] { gdr_core_prep(); }),
+            "GDR_CORE_PREP: expected kernel or aten, but got 'Kernel'");
+  set_gdr_core_prep(GdrCorePrep::kAten);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+}
+
+TEST_F(GdrCorePrepSwitch, CpuKeepsTheAtenStepsWhateverTheSwitchSays) {
+  const Inputs x = make_inputs(Case{1, 70, 2, 64, 64, 64}, 5, at::kFloat);
+  const at::Tensor g = x.g.to(at::kFloat), beta = x.beta.to(at::kFloat);
+  std::vector<std::tuple<at::Tensor, at::Tensor>> results;
+  for (GdrCorePrep prep : {GdrCorePrep::kKernel, GdrCorePrep::kAten}) {
+    set_gdr_core_prep(prep);
+    results.push_back(gated_delta_rule_chunked(x.q, x.k, x.v, g, beta, 0.125, std::nullopt, true));
+    EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << to_string(prep);
+  }
+  EXPECT_TRUE(at::equal(std::get<0>(results[0]), std::get<0>(results[1])));
+  EXPECT_TRUE(at::equal(std::get<1>(results[0]), std::get<1>(results[1])));
+}
+
+TEST_F(GdrCorePrepSwitch, TheOpWiredIntoTheCoreMatchesTheAtenStepsWithGradientsInFp64) {
+  for (const Case& c : {Case{2, 45, 3, 5, 4, 8}, Case{1, 150, 2, 64, 32, 64}}) {
+    const Inputs x = make_inputs(c, 11 + c.T);
+    const at::Tensor s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kDouble);
+    const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, at::kDouble);
+    const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, at::kDouble);
+    auto run = [&](bool through_op, bool step7_op) {
+      set_gdr_core_prep(through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten);
+      set_gdr_core_prep_op_on_cpu_for_testing(through_op);
+      set_gdr_core_op_on_cpu_for_testing(step7_op);
+      std::vector<at::Tensor> leaves = {x.q, x.k, x.v, x.g, x.beta, s0};
+      for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
+      auto [o, s] = gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                             0.4, leaves[5], true, c.C);
+      EXPECT_EQ(gdr_core_last_prep(), through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten);
+      std::vector<at::Tensor> out = {o.detach(), s.detach()};
+      for (const at::Tensor& gr :
+           torch::autograd::grad({(o * w_o).sum() + (s * w_s).sum()}, leaves)) {
+        out.push_back(gr);
+      }
+      set_gdr_core_op_on_cpu_for_testing(false);
+      return out;
+    };
+    const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+    for (bool step7_op : {false, true}) {
+      const std::vector<at::Tensor> aten = run(false, step7_op), op = run(true, step7_op);
+      for (size_t i = 0; i < op.size(); ++i) {
+        EXPECT_LT(max_abs_diff(op[i], aten[i]), 1e-10)
+            << describe(c) << (step7_op ? " step 7 op " : " step 7 loop ") << names[i];
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gdr
