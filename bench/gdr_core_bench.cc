@@ -1,9 +1,11 @@
 // Benchmark of the chunked gated delta rule core on one GPU with step 7 (the inter-chunk
 // state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
-// loop (composite): forward (autograd recording, as in training) and forward+backward
-// through autograd. BF16 q/k/v (q and k L2-normalised beforehand, as the model does),
-// FP32 g and beta. CUDA events around each host call (so host and launch overhead count,
-// which is what the composite loses), warm-up, then the median of timed repetitions.
+// loop (composite), and steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
+// through set_gdr_core_prep) against the ATen ops (aten): forward (autograd recording, as
+// in training) and forward+backward through autograd. BF16 q/k/v (q and k L2-normalised
+// beforehand, as the model does), FP32 g and beta. CUDA events around each host call (so
+// host and launch overhead count, which is what the composite loses), warm-up, then the
+// median of timed repetitions.
 //
 // FLOP count (matmul FLOPs of the whole chunked algorithm, per batch*head and chunk of
 // C = 64 rows; elementwise work ignored):
@@ -90,29 +92,41 @@ void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv) {
     torch::autograd::grad({o}, leaves, {grad_o});
   };
 
-  Timings t[2];
-  const GdrCoreImpl impls[2] = {GdrCoreImpl::kKernel, GdrCoreImpl::kComposite};
-  for (int i = 0; i < 2; ++i) {
-    set_gdr_core_impl(impls[i]);
+  // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen; the last
+  // arm (all ATen) is the baseline of the "vs composite" columns.
+  struct Arm {
+    GdrCoreImpl impl;
+    GdrCorePrep prep;
+  };
+  const Arm arms[3] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel},
+                       {GdrCoreImpl::kKernel, GdrCorePrep::kAten},
+                       {GdrCoreImpl::kComposite, GdrCorePrep::kAten}};
+  Timings t[3];
+  for (int i = 0; i < 3; ++i) {
+    set_gdr_core_impl(arms[i].impl);
+    set_gdr_core_prep(arms[i].prep);
     forward();
-    if (gdr_core_last_step7() != impls[i]) {
-      std::fprintf(stderr, "gdr_core_bench: step 7 ran %s, expected %s\n",
-                   to_string(gdr_core_last_step7()), to_string(impls[i]));
+    if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
+      std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
+                   to_string(gdr_core_last_step7()), to_string(gdr_core_last_prep()),
+                   to_string(arms[i].impl), to_string(arms[i].prep));
     }
     t[i].forward_ms = median_ms(forward);
     t[i].forward_backward_ms = median_ms(forward_backward);
   }
   set_gdr_core_impl(std::nullopt);
+  set_gdr_core_prep(std::nullopt);
 
   const double f = forward_flops(B, T, H, dk, dv);
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
-  for (int i = 0; i < 2; ++i) {
-    std::printf("| %lld | %lld | %lld/%lld | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
-                static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
-                static_cast<long long>(dv), to_string(impls[i]), t[i].forward_ms,
-                t[1].forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms),
-                t[i].forward_backward_ms, t[1].forward_backward_ms / t[i].forward_backward_ms,
-                tflops(3 * f, t[i].forward_backward_ms));
+  for (int i = 0; i < 3; ++i) {
+    std::printf(
+        "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
+        static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
+        static_cast<long long>(dv), to_string(arms[i].impl), to_string(arms[i].prep),
+        t[i].forward_ms, t[2].forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms),
+        t[i].forward_backward_ms, t[2].forward_backward_ms / t[i].forward_backward_ms,
+        tflops(3 * f, t[i].forward_backward_ms));
   }
   std::fflush(stdout);
 }
@@ -130,7 +144,9 @@ int main(int argc, char** argv) {
           "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--dk=D] [--dv=D]\n"
           "  Times gated_delta_rule_chunked (B=1, BF16 q/k/v) forward and forward+backward with\n"
           "  step 7 as the CUDA chunk state kernel (kernel) and as the per-chunk ATen loop\n"
-          "  (composite). Defaults: --lengths=2048,16384 --heads=16 --dk=128 --dv=128.\n"
+          "  (composite), and steps 1-6 (prep) as the chunk prep kernels (kernel) or ATen ops\n"
+          "  (aten): rows kernel/kernel, kernel/aten, composite/aten. Defaults: "
+          "--lengths=2048,16384 --heads=16 --dk=128 --dv=128.\n"
           "  'vs composite' is composite time / this row's time; TFLOP/s counts the matmul\n"
           "  FLOPs of the whole chunked algorithm (formula in bench/gdr_core_bench.cc).\n");
       return 0;
@@ -167,9 +183,9 @@ int main(int argc, char** argv) {
       "(CUDA events around the host call)\n\n",
       prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
   std::printf(
-      "| T | H | dk/dv | step 7 | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | vs "
-      "composite | fwd+bwd TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "| T | H | dk/dv | step 7 | prep | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | "
+      "vs composite | fwd+bwd TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t T : lengths) gdr::bench_length(T, heads, dk, dv);
   return 0;
 }
