@@ -165,11 +165,17 @@ TEST(ProcessGroupTest, DifferentValuesAreRefusedOnEveryRank) {
   }
 }
 
-TEST(ProcessGroupTest, CudaIsNotBuiltYet) {
+// This CPU binary does not link //gdr:distributed_nccl: asking for CUDA says which target
+// is missing, before any rendezvous is attempted.
+TEST(ProcessGroupTest, CudaWithoutTheNcclBackendLinkedIsRefused) {
   DistEnv env;
   env.world_size = 2;
   env.master_port = 1;
-  EXPECT_EQ(ProcessGroup::create(env, true).status().code(), absl::StatusCode::kUnimplemented);
+  const absl::Status status = ProcessGroup::create(env, true).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(status.message(),
+            "data parallelism on CUDA needs the NCCL backend, which this binary does not link "
+            "(//gdr:distributed_nccl; the CUDA trainer //tools:train_cuda has it)");
 }
 
 }  // namespace
