@@ -198,9 +198,59 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const a
                                                     const at::Tensor& beta, double scale,
                                                     const std::optional<at::Tensor>& initial_state,
                                                     bool output_final_state) {
-  // Single dispatch point: the chunked composition serves CPU and CUDA until a fused CUDA
-  // kernel (forward + reverse-chunk backward) is registered here.
   return gated_delta_rule_chunked(q, k, v, g, beta, scale, initial_state, output_final_state);
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, const std::vector<int64_t>& cu_seqlens,
+    const std::optional<at::Tensor>& initial_state, bool output_final_state) {
+  const char* op = "gated_delta_rule_varlen";
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1, op,
+              ": expected packed q of shape [1, T, H, dk] but got ", q.sizes());
+  const int64_t T = q.size(1), H = q.size(2), dk = q.size(3);
+  TORCH_CHECK(cu_seqlens.size() >= 2, op,
+              ": expected cu_seqlens with at least 2 offsets (one document) but got ",
+              cu_seqlens.size());
+  TORCH_CHECK(cu_seqlens.front() == 0 && cu_seqlens.back() == T, op,
+              ": expected cu_seqlens to run from 0 to T = ", T, " but got ", cu_seqlens.front(),
+              " .. ", cu_seqlens.back());
+  for (size_t i = 1; i < cu_seqlens.size(); ++i) {
+    TORCH_CHECK(cu_seqlens[i] >= cu_seqlens[i - 1], op,
+                ": expected non-decreasing cu_seqlens but offset ", i, " (", cu_seqlens[i],
+                ") < offset ", i - 1, " (", cu_seqlens[i - 1], ")");
+  }
+  const int64_t N = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  const bool has_initial = initial_state.has_value() && initial_state->defined();
+  if (has_initial) {
+    const at::Tensor& s = *initial_state;
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == N && s.size(1) == H && s.size(2) == dk &&
+                    s.size(3) == v.size(-1),
+                op, ": expected initial_state of shape [", N, ", ", H, ", ", dk, ", ", v.size(-1),
+                "] ([documents, H, dk, dv]) but got ", s.sizes());
+  }
+  std::vector<at::Tensor> outputs, finals;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t start = cu_seqlens[i], length = cu_seqlens[i + 1] - start;
+    std::optional<at::Tensor> s0;
+    if (has_initial) s0 = initial_state->narrow(0, i, 1);
+    if (length == 0) {
+      if (output_final_state) {
+        finals.push_back(has_initial
+                             ? s0->to(compute_dtype(q, k, v, g, beta))
+                             : at::zeros({1, H, dk, v.size(-1)},
+                                         q.options().dtype(compute_dtype(q, k, v, g, beta))));
+      }
+      continue;
+    }
+    auto [o, final_state] = gated_delta_rule(
+        q.narrow(1, start, length), k.narrow(1, start, length), v.narrow(1, start, length),
+        g.narrow(1, start, length), beta.narrow(1, start, length), scale, s0, output_final_state);
+    outputs.push_back(o);
+    if (output_final_state) finals.push_back(final_state);
+  }
+  TORCH_CHECK(!outputs.empty(), op, ": expected at least one token but got T = 0");
+  return {at::cat(outputs, /*dim=*/1), output_final_state ? at::cat(finals, 0) : at::Tensor()};
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(

@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace gdr {
 
@@ -95,11 +96,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size);
 
-// The one entry point models call. Today it runs gated_delta_rule_chunked on every
-// device; a CUDA kernel will be dispatched from here without changing callers.
+// The one entry point models call: gated_delta_rule_chunked, whose steps run as CUDA
+// kernels on CUDA where the switches above say so and as ATen ops elsewhere.
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+
+// Packed variable-length sequences (as FLA's cu_seqlens): q, k, v, g, beta hold N
+// documents back to back along T (B must be 1); document i is tokens
+// cu_seqlens[i] .. cu_seqlens[i+1]-1 and starts from initial_state[i] (zeros when absent),
+// so no state crosses a document boundary. cu_seqlens: N + 1 non-decreasing offsets from
+// 0 to T (empty documents allowed). initial_state: [N, H, dk, dv]. Returns o [1, T, H, dv]
+// and, with output_final_state, [N, H, dk, dv] (an empty document's final state is its
+// initial state). Each document runs through gated_delta_rule, so the result equals
+// separate calls bit for bit; one launch sequence per document (a single varlen kernel
+// launch is future work).
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, double scale, const std::vector<int64_t>& cu_seqlens,
     const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
 
 // The chunked (WY / UT-transform) algorithm of the spec, the training path. T is padded to

@@ -141,5 +141,113 @@ TEST(GatedDeltaRule, RejectsAGateOfTheWrongShapeNamingIt) {
   }
 }
 
+// Packed documents: the same bits as separate calls, no state crossing a boundary, and
+// gradients that reach every document's tokens and initial state.
+TEST(GatedDeltaRuleVarlen, PackedDocumentsEqualSeparateCallsBitForBit) {
+  // Lengths 70 (two chunks, a tail), 0 (empty), 5, 64 (exactly one chunk).
+  const std::vector<int64_t> cu = {0, 70, 70, 75, 139};
+  const GdrInputs in = make_inputs(1, 139, 2, 8, 6, at::kFloat, 31);
+  const at::Tensor s0 = 0.5 * at::randn({4, 2, 8, 6}, at::kFloat);
+  const double scale = 1.0 / std::sqrt(8.0);
+  const auto [o, s] = gated_delta_rule_varlen(in.q, in.k, in.v, in.g, in.beta, scale, cu, s0, true);
+  ASSERT_EQ(o.sizes(), in.v.sizes());
+  ASSERT_EQ(s.sizes(), (std::vector<int64_t>{4, 2, 8, 6}));
+  for (int64_t i = 0; i < 4; ++i) {
+    const int64_t start = cu[i], length = cu[i + 1] - cu[i];
+    if (length == 0) {
+      EXPECT_TRUE(at::equal(s[i], s0[i])) << "an empty document keeps its initial state";
+      continue;
+    }
+    auto slice = [&](const at::Tensor& t) { return t.narrow(1, start, length); };
+    const auto [o_i, s_i] = gated_delta_rule(slice(in.q), slice(in.k), slice(in.v), slice(in.g),
+                                             slice(in.beta), scale, s0.narrow(0, i, 1), true);
+    EXPECT_TRUE(at::equal(slice(o), o_i)) << "document " << i;
+    EXPECT_TRUE(at::equal(s.narrow(0, i, 1), s_i)) << "document " << i;
+  }
+}
+
+TEST(GatedDeltaRuleVarlen, NoStateLeaksAcrossADocumentBoundary) {
+  const GdrInputs in = make_inputs(1, 40, 2, 4, 4, at::kDouble, 32);
+  const double scale = 0.5;
+  const auto [packed, unused] =
+      gated_delta_rule_varlen(in.q, in.k, in.v, in.g, in.beta, scale, {0, 25, 40});
+  // The second document alone, from zeros, is the recurrence over its tokens only.
+  auto tail = [&](const at::Tensor& t) { return t.narrow(1, 25, 15); };
+  const auto [alone, unused2] = gated_delta_rule_recurrent(tail(in.q), tail(in.k), tail(in.v),
+                                                           tail(in.g), tail(in.beta), scale);
+  EXPECT_LT(max_abs_diff(packed.narrow(1, 25, 15), alone), 1e-12);
+  // Without the boundary the second document's outputs change.
+  const auto [joined, unused3] = gated_delta_rule(in.q, in.k, in.v, in.g, in.beta, scale);
+  EXPECT_GT(max_abs_diff(joined.narrow(1, 25, 15), alone), 1e-3);
+}
+
+TEST(GatedDeltaRuleVarlen, GradientsMatchSeparateCalls) {
+  const std::vector<int64_t> cu = {0, 9, 30};
+  GdrInputs in = make_inputs(1, 30, 2, 4, 3, at::kDouble, 33);
+  const at::Tensor s0 = 0.5 * at::randn({2, 2, 4, 3}, at::kDouble);
+  auto run = [&](bool packed) {
+    std::vector<at::Tensor> leaves = {
+        in.q.clone().requires_grad_(),    in.k.clone().requires_grad_(),
+        in.v.clone().requires_grad_(),    in.g.clone().requires_grad_(),
+        in.beta.clone().requires_grad_(), s0.clone().requires_grad_()};
+    at::Tensor loss;
+    if (packed) {
+      const auto [o, s] = gated_delta_rule_varlen(leaves[0], leaves[1], leaves[2], leaves[3],
+                                                  leaves[4], 0.5, cu, leaves[5], true);
+      loss = (o * o).sum() + (s * s).sum();
+    } else {
+      loss = at::zeros({}, at::kDouble);
+      for (int64_t i = 0; i < 2; ++i) {
+        auto slice = [&](const at::Tensor& t) { return t.narrow(1, cu[i], cu[i + 1] - cu[i]); };
+        const auto [o, s] =
+            gated_delta_rule(slice(leaves[0]), slice(leaves[1]), slice(leaves[2]), slice(leaves[3]),
+                             slice(leaves[4]), 0.5, leaves[5].narrow(0, i, 1), true);
+        loss = loss + (o * o).sum() + (s * s).sum();
+      }
+    }
+    return torch::autograd::grad({loss}, leaves);
+  };
+  const auto packed = run(true), separate = run(false);
+  const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
+  for (size_t i = 0; i < packed.size(); ++i) {
+    EXPECT_LT(max_abs_diff(packed[i], separate[i]), 1e-12) << names[i];
+    EXPECT_GT(packed[i].abs().max().item<double>(), 0.0) << names[i];
+  }
+}
+
+TEST(GatedDeltaRuleVarlen, RejectsBadOffsetsNamingThem) {
+  const GdrInputs in = make_inputs(1, 10, 2, 4, 3, at::kDouble, 34);
+  auto message = [&](const std::vector<int64_t>& cu) -> std::string {
+    try {
+      gated_delta_rule_varlen(in.q, in.k, in.v, in.g, in.beta, 1.0, cu);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message({0, 4, 9}).find("gated_delta_rule_varlen: expected cu_seqlens to run from 0 "
+                                    "to T = 10 but got 0 .. 9"),
+            std::string::npos)
+      << message({0, 4, 9});
+  EXPECT_NE(message({0, 6, 4, 10})
+                .find("gated_delta_rule_varlen: expected non-decreasing "
+                      "cu_seqlens but offset 2 (4) < offset 1 (6)"),
+            std::string::npos)
+      << message({0, 6, 4, 10});
+  EXPECT_NE(message({10}).find("gated_delta_rule_varlen: expected cu_seqlens with at least 2 "
+                               "offsets (one document) but got 1"),
+            std::string::npos);
+  try {
+    gated_delta_rule_varlen(in.q.expand({2, 10, 2, 4}), in.k, in.v, in.g, in.beta, 1.0, {0, 10});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("gated_delta_rule_varlen: expected packed q of shape [1, T, H, dk] but "
+                        "got [2, 10, 2, 4]"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 }  // namespace
 }  // namespace gdr
