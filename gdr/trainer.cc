@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
     }
   }
   if (absl::Status s = apply_deterministic_mode(config.model); !s.ok()) return s;
+  apply_gdr_core_settings(config.model);
   at::Device device(at::kCPU);
   if (config.train.device == TrainDevice::kCuda) {
     if (!at::hasCUDA()) {

@@ -131,6 +131,21 @@ absl::Status read_fusion(const YAML::Node& node, absl::string_view key, const So
   return absl::OkStatus();
 }
 
+// A string key limited to `allowed` (an empty value is not allowed either: omit the key).
+absl::Status read_choice(const YAML::Node& node, absl::string_view key, const Source& source,
+                         const std::vector<std::string>& allowed, std::string* out) {
+  std::string text;
+  if (absl::Status s = read_string(node, key, source, &text); !s.ok()) return s;
+  for (const std::string& a : allowed) {
+    if (text == a) {
+      *out = text;
+      return absl::OkStatus();
+    }
+  }
+  return source.error(
+      key, absl::StrCat("expected one of ", absl::StrJoin(allowed, ", "), " but got '", text, "'"));
+}
+
 using Setter =
     std::function<absl::Status(const YAML::Node&, absl::string_view, const Source&, QwenConfig&)>;
 struct Field {
@@ -189,6 +204,14 @@ const std::vector<Field>& model_fields() {
          return read_fusion(n, k, s, &c.pre_gdr_fusion);
        }},
       {"deterministic_mode", false, bool_field(&QwenConfig::deterministic_mode)},
+      {"gdr_core_impl", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_choice(n, k, s, {"kernel", "composite"}, &c.gdr_core_impl);
+       }},
+      {"gdr_core_prep", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_choice(n, k, s, {"kernel", "aten"}, &c.gdr_core_prep);
+       }},
   };
   return *fields;
 }

@@ -2,7 +2,7 @@
 // our YAML run configs or from a Hugging Face config.json, and validated.
 //
 // Keys are named exactly like Hugging Face's Qwen3.5 text config.json, so a config can be
-// copied between the two. gdr adds two keys:
+// copied between the two. gdr adds four keys:
 //   pre_gdr_fusion: none | gate | full   how the pre-GDR gate runs (default gate):
 //       none = unfused ATen composite (gdr::pre_gdr_gate_composite),
 //       gate = the fused gate op (gdr::pre_gdr_gate),
@@ -10,6 +10,10 @@
 //              (gdr::pre_gdr_full_fusion; CUDA only, not with deterministic_mode).
 //   deterministic_mode: bool             ordered, bit-reproducible paths (default false);
 //       see apply_deterministic_mode() in models/qwen/deterministic_mode.h.
+//   gdr_core_impl: kernel | composite    the GDR core's chunk scan on CUDA, and
+//   gdr_core_prep: kernel | aten         its chunk preparation (ops/gdr_core.h); absent
+//       means GDR_CORE_IMPL / GDR_CORE_PREP or the op's default. Process-wide, applied by
+//       apply_gdr_core_settings() (models/qwen/model.h).
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message
 // is "<file>: <key path>: <what is wrong>", e.g.
@@ -67,6 +71,8 @@ struct QwenConfig {
   // gdr keys.
   PreGdrFusion pre_gdr_fusion = PreGdrFusion::kGate;
   bool deterministic_mode = false;
+  std::string gdr_core_impl;  // "" (not set), "kernel" or "composite"
+  std::string gdr_core_prep;  // "" (not set), "kernel" or "aten"
 
   // Derived sizes.
   int64_t linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }

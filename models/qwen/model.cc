@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "ops/gdr_core.h"
 
 namespace gdr {
 
@@ -129,6 +130,16 @@ void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed) {
       values.normal_(0.0, std_dev, gen);  // linears and the embedding
     }
     param.copy_(values);
+  }
+}
+
+void apply_gdr_core_settings(const QwenConfig& config) {
+  // The config loader already limited the values; parse_* only maps them.
+  if (!config.gdr_core_impl.empty()) {
+    set_gdr_core_impl(parse_gdr_core_impl(config.gdr_core_impl, "model.gdr_core_impl"));
+  }
+  if (!config.gdr_core_prep.empty()) {
+    set_gdr_core_prep(parse_gdr_core_prep(config.gdr_core_prep, "model.gdr_core_prep"));
   }
 }
 

@@ -231,6 +231,29 @@ TEST(QwenConfig, AnUnknownFusionLevelIsAnError) {
             path + ": model.pre_gdr_fusion: expected one of none, gate, full but got 'partial'");
 }
 
+TEST(QwenConfig, GdrCoreSwitchesLoadAndDefaultToUnset) {
+  const std::string unset_path = write_file("core_unset.yaml", with_lines(""));
+  const absl::StatusOr<QwenConfig> unset = load_qwen_config_yaml(unset_path);
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_EQ(unset->gdr_core_impl, "");
+  EXPECT_EQ(unset->gdr_core_prep, "");
+  const std::string path =
+      write_file("core.yaml", with_lines("  gdr_core_impl: composite\n  gdr_core_prep: kernel\n"));
+  const absl::StatusOr<QwenConfig> config = load_qwen_config_yaml(path);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gdr_core_impl, "composite");
+  EXPECT_EQ(config->gdr_core_prep, "kernel");
+}
+
+TEST(QwenConfig, AnUnknownGdrCoreSwitchValueIsAnError) {
+  const std::string impl = write_file("core_bad.yaml", with_lines("  gdr_core_impl: triton\n"));
+  EXPECT_EQ(load_qwen_config_yaml(impl).status().message(),
+            impl + ": model.gdr_core_impl: expected one of kernel, composite but got 'triton'");
+  const std::string prep = write_file("prep_bad.yaml", with_lines("  gdr_core_prep: kernels\n"));
+  EXPECT_EQ(load_qwen_config_yaml(prep).status().message(),
+            prep + ": model.gdr_core_prep: expected one of kernel, aten but got 'kernels'");
+}
+
 TEST(QwenConfig, AHuggingFaceModelWithAttentionBiasIsRejected) {
   const std::string path = write_file("bias_config.json", R"({"attention_bias": true})");
   EXPECT_EQ(load_qwen_config_hf_json(path).status().message(),

@@ -3,6 +3,8 @@
 // and that it learns.
 #include "models/qwen/model.h"
 
+#include "ops/gdr_core.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -44,6 +46,29 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(QwenForCausalLMImpl
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& item : model.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
   return shapes;
+}
+
+// model.gdr_core_impl / gdr_core_prep set the process-wide switches; unset keys leave them.
+TEST(QwenModel, GdrCoreSettingsFromTheConfigSetTheProcessSwitches) {
+  unsetenv("GDR_CORE_IMPL");
+  unsetenv("GDR_CORE_PREP");
+  set_gdr_core_impl(std::nullopt);
+  set_gdr_core_prep(std::nullopt);
+  QwenConfig config;
+  apply_gdr_core_settings(config);
+  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  config.gdr_core_impl = "composite";
+  config.gdr_core_prep = "kernel";
+  apply_gdr_core_settings(config);
+  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
+  // The config wins over the environment.
+  setenv("GDR_CORE_IMPL", "kernel", 1);
+  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
+  unsetenv("GDR_CORE_IMPL");
+  set_gdr_core_impl(std::nullopt);
+  set_gdr_core_prep(std::nullopt);
 }
 
 TEST(QwenModel, NamedParametersAreTheHuggingFaceNamesAndShapes) {
