@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda_timing.h"
 #include "ops/gdr_core.h"
 
 namespace gdr {
@@ -34,25 +35,7 @@ constexpr int kWarmup = 5;
 constexpr int kRepeats = 21;
 
 double median_ms(const std::function<void()>& fn) {
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  for (int i = 0; i < kWarmup; ++i) fn();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> samples;
-  for (int i = 0; i < kRepeats; ++i) {
-    cudaEventRecord(start, stream);
-    fn();
-    cudaEventRecord(stop, stream);
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    samples.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  return bench::median_event_ms(fn, kWarmup, kRepeats);
 }
 
 double forward_flops(int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv) {

@@ -9,17 +9,17 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
+#include "tests/ops/gpu_contention.h"
 
 namespace gdr {
 namespace {
@@ -299,28 +299,7 @@ TEST_F(GdrCoreKernelGpu, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoad
   const OpInputs op_in = to_cuda_fp32(make_op_inputs({1, 16, 32, 128, 128, true, true}, 98));
   const Results first_op = run_op(op_in);
 
-  std::atomic<bool> stop{false};
-  std::thread load([&] {
-    c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(), s2 = c10::cuda::getStreamFromPool();
-    at::Tensor m;
-    {
-      c10::cuda::CUDAStreamGuard g(s1);
-      m = at::randn({2048, 2048}, kCuda);
-    }
-    s1.synchronize();
-    while (!stop.load()) {
-      {
-        c10::cuda::CUDAStreamGuard g(s1);
-        at::Tensor r = at::matmul(m, m);
-      }
-      {
-        c10::cuda::CUDAStreamGuard g(s2);
-        at::Tensor r = m.sum(0);
-      }
-    }
-    s1.synchronize();
-    s2.synchronize();
-  });
+  std::optional<test_support::GpuContention> load(std::in_place);
   int core_mismatches = 0, op_mismatches = 0;
   for (int replay = 0; replay < 100; ++replay) {
     const Results core = run_core(x, w_o, w_s);
@@ -330,8 +309,7 @@ TEST_F(GdrCoreKernelGpu, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoad
     for (size_t i = 0; i < op.size(); ++i)
       op_mismatches += bitwise_equal(op[i], first_op[i]) ? 0 : 1;
   }
-  stop.store(true);
-  load.join();
+  load.reset();
   EXPECT_EQ(op_mismatches, 0) << "the chunk state pass must give identical bits on every replay";
   EXPECT_EQ(core_mismatches, 0)
       << "gated_delta_rule_chunked (kernel step 7) forward and gradients must give identical "

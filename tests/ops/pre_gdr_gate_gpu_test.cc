@@ -8,13 +8,13 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <atomic>
-#include <thread>
+#include <optional>
 #include <vector>
 
 #include "ops/autotune.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_gate.h"
+#include "tests/ops/gpu_contention.h"
 
 namespace gdr {
 namespace {
@@ -225,28 +225,7 @@ void replay_under_contention(OrderedVariant variant, kernels::GateReduction expe
   EXPECT_EQ(pre_gdr_gate_last_backward().reduction, expected);
 
   // Contention: another thread keeps two other streams busy with matmuls and reductions.
-  std::atomic<bool> stop{false};
-  std::thread load([&] {
-    c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(), s2 = c10::cuda::getStreamFromPool();
-    at::Tensor m;
-    {
-      c10::cuda::CUDAStreamGuard g(s1);
-      m = at::randn({2048, 2048}, at::TensorOptions().device(at::kCUDA));
-    }
-    s1.synchronize();
-    while (!stop.load()) {
-      {
-        c10::cuda::CUDAStreamGuard g(s1);
-        at::Tensor r = at::matmul(m, m);
-      }
-      {
-        c10::cuda::CUDAStreamGuard g(s2);
-        at::Tensor r = m.sum(0);
-      }
-    }
-    s1.synchronize();
-    s2.synchronize();
-  });
+  std::optional<test_support::GpuContention> load(std::in_place);
   int mismatches = 0;
   for (int replay = 0; replay < 200; ++replay) {
     auto [da, db, dA, ddt] =
@@ -255,8 +234,7 @@ void replay_under_contention(OrderedVariant variant, kernels::GateReduction expe
     const Outputs now = {g, beta, da, db, dA, ddt};
     for (size_t i = 0; i < now.size(); ++i) mismatches += bitwise_equal(now[i], first[i]) ? 0 : 1;
   }
-  stop.store(true);
-  load.join();
+  load.reset();
   EXPECT_EQ(mismatches, 0) << "the ordered backward must give identical bits on every replay";
   EXPECT_EQ(pre_gdr_gate_last_backward().reduction, expected);
   set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
