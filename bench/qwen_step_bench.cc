@@ -91,9 +91,6 @@ int main(int argc, char** argv) {
   }
   std::vector<Arm> arms;
   if (!parse_arms(arms_arg, &arms)) return 2;
-  // cuBLAS is only reproducible with a fixed workspace (models/qwen/deterministic_mode.h);
-  // set before the first handle exists.
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
   auto config = gdr::load_qwen_config("configs/qwen3_5_0_8b.yaml");
   if (!config.ok()) {
     std::fprintf(stderr, "qwen_step_bench: %s\n", std::string(config.status().message()).c_str());
@@ -159,8 +156,14 @@ int main(int argc, char** argv) {
     std::map<std::string, std::pair<double, int>> by_kernel;
     double total_us = 0;
     int launches = 0;
+    std::map<std::string, std::pair<double, int>> by_cpu_op;  // host: ms (incl. children), calls
     for (const auto& event : result->events()) {
-      if (event.deviceType() != c10::DeviceType::CUDA) continue;
+      if (event.deviceType() != c10::DeviceType::CUDA) {
+        auto& op = by_cpu_op[event.name().substr(0, 60)];
+        op.first += event.durationNs() / 1e6;
+        op.second += 1;
+        continue;
+      }
       const double us = event.durationNs() / 1e3;
       auto& slot = by_kernel[event.name().substr(0, 90)];
       slot.first += us;
@@ -175,9 +178,22 @@ int main(int argc, char** argv) {
         "\nTop GPU kernels, arm %s (GPU busy %.1f ms of %.1f ms wall under the profiler, %d "
         "kernels and copies):\n| kernel | ms | %% | calls |\n|---|---|---|---|\n",
         arm.name.c_str(), total_us / 1e3, wall_ms, launches);
-    for (size_t i = 0; i < ranked.size() && i < 12; ++i) {
+    for (size_t i = 0; i < ranked.size() && i < 25; ++i) {
       std::printf("| %s | %.2f | %.1f | %d |\n", ranked[i].second.c_str(), ranked[i].first / 1e3,
                   100.0 * ranked[i].first / total_us, by_kernel[ranked[i].second].second);
+    }
+    // Host side: which operators are called most (the step is host-bound), with their wall
+    // time under the profiler including nested operators.
+    std::vector<std::pair<int, std::string>> by_calls;
+    for (const auto& [name, v] : by_cpu_op) by_calls.emplace_back(v.second, name);
+    std::sort(by_calls.rbegin(), by_calls.rend());
+    std::printf(
+        "\nMost-called host operators, arm %s:\n| operator | calls | ms incl. nested |\n"
+        "|---|---|---|\n",
+        arm.name.c_str());
+    for (size_t i = 0; i < by_calls.size() && i < 30; ++i) {
+      std::printf("| %s | %d | %.1f |\n", by_calls[i].second.c_str(), by_calls[i].first,
+                  by_cpu_op[by_calls[i].second].first);
     }
   }
   return 0;

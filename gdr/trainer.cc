@@ -98,11 +98,17 @@ double learning_rate_at(const RunConfig& config, int64_t step) {
 std::string format_progress_line(const StepStats& s, int64_t total_steps) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
-                "step %lld/%lld loss %.4f lr %.2e grad_norm %.2f tokens/s %.0f step_time %.3fs%s",
+                "step %lld/%lld loss %.4f lr %.2e grad_norm %.2f tokens/s %.0f step_time %.3fs",
                 static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr,
-                s.grad_norm, s.tokens_per_s, s.step_time_s,
-                s.skipped ? " (skipped: non-finite)" : "");
-  return buf;
+                s.grad_norm, s.tokens_per_s, s.step_time_s);
+  std::string line = buf;
+  // Data parallelism: how much of the step the cross-rank gradient reduction took.
+  if (s.reduce_time_s > 0) {
+    std::snprintf(buf, sizeof(buf), " reduce %.3fs", s.reduce_time_s);
+    line += buf;
+  }
+  if (s.skipped) line += " (skipped: non-finite)";
+  return line;
 }
 
 struct Trainer::Impl {
@@ -227,11 +233,14 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // reduction tree] in gdr/distributed.h); with accum <= 2 and one rank this is exactly
   // autograd's accumulation.
   PairwiseSum tree;
+  // Losses stay on the device until the step's end: one host sync per step, not one per
+  // microbatch, so the host can queue the next microbatch while the GPU finishes this one.
+  std::vector<at::Tensor> losses_on_device;
   for (const std::vector<int64_t>& tokens : mine) {
     const at::Tensor ids = at::tensor(tokens, at::kLong).reshape({batch, window}).to(m.device);
     const at::Tensor loss = m.model->loss(ids, ids);
     (loss / static_cast<double>(world * accum)).backward();
-    stats.microbatch_losses.push_back(loss.item<double>());
+    losses_on_device.push_back(loss.detach().reshape({1}));
     stats.tokens += batch * (window - 1);
     std::vector<at::Tensor> leaf;
     for (at::Tensor& p : m.params) {
@@ -240,14 +249,23 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     }
     tree.add(std::move(leaf));
   }
+  {
+    // float -> double is exact, so these are the values loss.item<double>() would give.
+    const at::Tensor host = at::cat(losses_on_device).to(at::kCPU, at::kDouble);
+    const double* p = host.data_ptr<double>();
+    stats.microbatch_losses.assign(p, p + host.numel());
+  }
   std::vector<at::Tensor> grads = tree.finish();
   for (size_t i = 0; i < m.masters.size(); ++i) m.masters[i].mutable_grad() = grads[i];
   if (world > 1) {
     std::vector<std::vector<double>> losses;
+    const auto reduce_start = std::chrono::steady_clock::now();
     if (absl::Status s = m.group->all_reduce_sum(grads, stats.microbatch_losses, &losses);
         !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
     }
+    stats.reduce_time_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - reduce_start).count();
     stats.microbatch_losses.clear();  // all of them, in global order
     for (int r = 0; r < world; ++r) {
       for (double l : losses[r]) stats.microbatch_losses.push_back(l);
@@ -510,6 +528,7 @@ absl::Status Trainer::run(std::ostream& log) {
           {"tokens", stats->tokens},
           {"tokens_per_s", stats->tokens_per_s},
           {"step_time_s", stats->step_time_s},
+          {"reduce_time_s", stats->reduce_time_s},
           {"skipped", stats->skipped},
       };
       metrics << line.dump() << "\n" << std::flush;

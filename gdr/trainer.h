@@ -59,6 +59,7 @@ struct StepStats {
   int64_t tokens = 0;    // predicted tokens in this step
   double step_time_s = 0;
   double tokens_per_s = 0;
+  double reduce_time_s = 0;  // host wall time of the cross-rank gradient reduction (DP only)
   bool skipped = false;
 };
 

@@ -183,7 +183,7 @@ GdrCorePrep gdr_core_prep() {
     if (g_prep_override.has_value()) return *g_prep_override;
   }
   const char* env = std::getenv("GDR_CORE_PREP");
-  if (env == nullptr || env[0] == '\0') return GdrCorePrep::kAten;
+  if (env == nullptr || env[0] == '\0') return GdrCorePrep::kKernel;
   return parse_gdr_core_prep(env, "GDR_CORE_PREP");
 }
 

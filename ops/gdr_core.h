@@ -69,10 +69,10 @@ void set_gdr_core_op_on_cpu_for_testing(bool enabled);
 // Which implementation runs steps 1-6 of gated_delta_rule_chunked (everything before the
 // state pass: chunking, cumsum, decay mask, the WY solve, P, Qd, Kend) on CUDA. kKernel is
 // the chunk_prep op (ops/gdr_chunk_prep.h: one kernel each way, FP32, C = 64,
-// kernels::chunk_prep_supports(dk, dv)); kAten (the default for now) is the ATen
-// composition chunk_prep_composite below, which also serves the CPU, FP64, other chunk
-// sizes and head dims the kernel does not support. Resolution at every call:
-// set_gdr_core_prep's value when set, then GDR_CORE_PREP=kernel|aten, then kAten. An
+// kernels::chunk_prep_supports(dk, dv); the default); kAten is the ATen composition
+// chunk_prep_composite below, which also serves the CPU, FP64, other chunk sizes and head
+// dims the kernel does not support. Resolution at every call: set_gdr_core_prep's value
+// when set, then GDR_CORE_PREP=kernel|aten, then kKernel. An
 // invalid value is an error naming the source; kKernel on CUDA without //ops:cuda_ops
 // linked fails and says so.
 enum class GdrCorePrep { kKernel, kAten };

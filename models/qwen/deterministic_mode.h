@@ -6,18 +6,16 @@
 //     sends ATen and gdr's ops down their ordered paths (gdr's ops read it through
 //     use_deterministic_mode(); see Note [Deterministic mode resolution] in
 //     ops/determinism.h) and makes ATen throw on ops with no deterministic path;
-//   - CUBLAS_WORKSPACE_CONFIG is pinned to ":4096:8" when unset, because cuBLAS is only
-//     reproducible with a fixed workspace. A value other than ":4096:8" or ":16:8" is an
-//     error (absl::FailedPreconditionError naming the variable and its value), not
-//     silently overridden: someone set it on purpose;
+//   - CUBLAS_WORKSPACE_CONFIG is left alone (Note [cuBLAS workspace] in
+//     deterministic_mode.cc: libtorch already gives cuBLAS what it needs to be
+//     reproducible, and pinning the variable made every step ~35% slower);
 //   - PyTorch's fill of uninitialized memory (on by default with deterministic algorithms)
 //     is turned off unless GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY=1 (Note
 //     [Uninitialized-memory fill] in deterministic_mode.cc).
 // deterministic_mode with pre_gdr_fusion: full is an absl::FailedPreconditionError naming
 // both keys, returned before anything is changed (full fusion has no ordered backward).
 // When false, nothing is changed (an earlier setting is left alone).
-// Call it once at start-up, before any CUDA/cuBLAS work: cuBLAS reads the variable when a
-// handle is created. Not thread-safe (setenv).
+// Call it once at start-up, before the model runs.
 #pragma once
 
 #include "absl/status/status.h"
@@ -26,7 +24,6 @@
 namespace gdr {
 
 inline constexpr char kCublasWorkspaceConfigVar[] = "CUBLAS_WORKSPACE_CONFIG";
-inline constexpr char kCublasWorkspaceConfigDefault[] = ":4096:8";
 inline constexpr char kDeterministicFillVar[] = "GDR_DETERMINISTIC_FILL_UNINITIALIZED_MEMORY";
 
 absl::Status apply_deterministic_mode(const QwenConfig& config);

@@ -143,6 +143,12 @@ TEST(TrainerTest, FormatsTheProgressLine) {
   s.step_time_s = 0.1234;
   EXPECT_EQ(format_progress_line(s, 20),
             "step 3/20 loss 4.1234 lr 1.00e-03 grad_norm 1.23 tokens/s 12345 step_time 0.123s");
+  // Data parallelism adds the reduction's share; a skipped step says so last.
+  s.reduce_time_s = 0.0456;
+  s.skipped = true;
+  EXPECT_EQ(format_progress_line(s, 20),
+            "step 3/20 loss 4.1234 lr 1.00e-03 grad_norm 1.23 tokens/s 12345 step_time 0.123s "
+            "reduce 0.046s (skipped: non-finite)");
 }
 
 void poison_first_parameter(Trainer& trainer) {

@@ -1,5 +1,5 @@
-// apply_deterministic_mode(): the global ATen switch, the cuBLAS workspace variable, and
-// the conflict errors. Each test resets the process state it touches.
+// apply_deterministic_mode(): the global ATen switch, the cuBLAS workspace variable left
+// alone, and the conflict error. Each test resets the process state it touches.
 #include "models/qwen/deterministic_mode.h"
 
 #include <ATen/ATen.h>
@@ -35,11 +35,13 @@ class DeterministicMode : public ::testing::Test {
   QwenConfig config_;
 };
 
-TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndPinsTheCublasWorkspace) {
+// Note [cuBLAS workspace]: the variable is not pinned (it slows cuBLAS down and libtorch's
+// per-stream workspaces already make it reproducible).
+TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndLeavesTheCublasWorkspaceAlone) {
   ASSERT_TRUE(apply_deterministic_mode(config_).ok());
   EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
   EXPECT_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
-  EXPECT_EQ(cublas_var(), ":4096:8");
+  EXPECT_EQ(cublas_var(), "<unset>");
   EXPECT_TRUE(use_deterministic_mode());  // gdr's ops follow the global switch
 }
 
@@ -55,23 +57,13 @@ TEST_F(DeterministicMode, TurnsOffTheUninitializedMemoryFillUnlessAskedFor) {
   unsetenv(kDeterministicFillVar);
 }
 
-TEST_F(DeterministicMode, KeepsTheOtherAcceptedWorkspaceValue) {
-  setenv(kCublasWorkspaceConfigVar, ":16:8", 1);
-  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
-  EXPECT_EQ(cublas_var(), ":16:8");
-  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
-}
-
-TEST_F(DeterministicMode, RejectsAConflictingWorkspaceValueAndChangesNothing) {
-  setenv(kCublasWorkspaceConfigVar, ":0:0", 1);
-  const absl::Status status = apply_deterministic_mode(config_);
-  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(
-      status.message(),
-      "deterministic_mode: true needs CUBLAS_WORKSPACE_CONFIG unset, \":4096:8\" or \":16:8\" "
-      "(cuBLAS is only reproducible with a fixed workspace) but it is \":0:0\"");
-  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
-  EXPECT_EQ(cublas_var(), ":0:0");
+TEST_F(DeterministicMode, KeepsAWorkspaceValueTheUserExported) {
+  for (const char* value : {":16:8", ":4096:2:16:8"}) {
+    setenv(kCublasWorkspaceConfigVar, value, 1);
+    ASSERT_TRUE(apply_deterministic_mode(config_).ok()) << value;
+    EXPECT_EQ(cublas_var(), value);
+    EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+  }
 }
 
 TEST_F(DeterministicMode, RejectsFullFusionNamingBothKeysAndChangesNothing) {

@@ -26,13 +26,6 @@
 namespace gdr {
 namespace {
 
-// The cuBLAS workspace pinned as the model's deterministic mode does, before any cuBLAS
-// handle exists (the state pass and the aten path run through cuBLAS).
-const bool kWorkspacePinned = [] {
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
-  return true;
-}();
-
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
 bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
@@ -255,7 +248,7 @@ TEST_F(GdrCorePrepGpu, KernelPrepMatchesTheAtenPrepInOutputsAndGradients) {
 TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
   const Inputs ok = make_inputs(1, 100, 2, 64, 64, false, at::kFloat, 4);
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
-  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << "default";
+  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << "default";
   setenv("GDR_CORE_PREP", "kernel", 1);
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << "GDR_CORE_PREP=kernel";

@@ -174,8 +174,8 @@ class GdrCorePrepSwitch : public ::testing::Test {
   void TearDown() override { SetUp(); }
 };
 
-TEST_F(GdrCorePrepSwitch, DefaultsToAtenAndParsesBothNames) {
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+TEST_F(GdrCorePrepSwitch, DefaultsToKernelAndParsesBothNames) {
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
   EXPECT_EQ(parse_gdr_core_prep("kernel", "test"), GdrCorePrep::kKernel);
   EXPECT_EQ(parse_gdr_core_prep("aten", "test"), GdrCorePrep::kAten);
   EXPECT_STREQ(to_string(GdrCorePrep::kKernel), "kernel");
@@ -188,12 +188,12 @@ TEST_F(GdrCorePrepSwitch, EnvironmentVariableIsReadAtEveryCallAndTheApiWins) {
   setenv("GDR_CORE_PREP", "aten", 1);
   EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
   setenv("GDR_CORE_PREP", "", 1);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
   setenv("GDR_CORE_PREP", "aten", 1);
   set_gdr_core_prep(GdrCorePrep::kKernel);
   EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
   set_gdr_core_prep(std::nullopt);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);  // the variable again
 }
 
 TEST_F(GdrCorePrepSwitch, InvalidValuesAreRefusedNamingTheSource) {

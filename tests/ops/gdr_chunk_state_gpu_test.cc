@@ -24,13 +24,6 @@
 namespace gdr {
 namespace {
 
-// The cuBLAS workspace pinned as the model's deterministic mode does, before any cuBLAS
-// handle exists (the batched products of the op run through cuBLAS).
-const bool kWorkspacePinned = [] {
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
-  return true;
-}();
-
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
 bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
