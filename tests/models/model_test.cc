@@ -57,12 +57,12 @@ TEST(QwenModel, GdrCoreSettingsFromTheConfigSetTheProcessSwitches) {
   QwenConfig config;
   apply_gdr_core_settings(config);
   EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
   config.gdr_core_impl = "composite";
-  config.gdr_core_prep = "kernel";
+  config.gdr_core_prep = "aten";
   apply_gdr_core_settings(config);
   EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
+  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
   // The config wins over the environment.
   setenv("GDR_CORE_IMPL", "kernel", 1);
   EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
