@@ -108,7 +108,7 @@ class ChunksToTokens : public torch::autograd::Function<ChunksToTokens> {
     const int64_t B = o_chunks.size(0), H = o_chunks.size(1), N = o_chunks.size(2),
                   C = o_chunks.size(3), dv = o_chunks.size(4);
     at::Tensor o = at::empty({B, tokens, H, dv}, o_chunks.options().dtype(dtype));
-    o.copy_(o_chunks.view({B, H, N * C, dv}).narrow(2, 0, tokens).transpose(1, 2));
+    o.copy_(o_chunks.reshape({B, H, N * C, dv}).narrow(2, 0, tokens).transpose(1, 2));
     ctx->saved_data["chunks"] = N;
     ctx->saved_data["chunk"] = C;
     ctx->saved_data["dtype"] = static_cast<int64_t>(o_chunks.scalar_type());
