@@ -2,10 +2,11 @@
 // state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
 // loop (composite), and steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
 // through set_gdr_core_prep) against the ATen ops (aten): forward (autograd recording, as
-// in training) and forward+backward through autograd. BF16 q/k/v (q and k L2-normalised
-// beforehand, as the model does), FP32 g and beta. CUDA events around each host call (so
-// host and launch overhead count, which is what the composite loses), warm-up, then the
-// median of timed repetitions.
+// in training) and forward+backward through autograd. BF16 (default) or FP32 q/k/v
+// (--dtype=fp32: what the model hands the core after its FP32 L2 norm), q and k
+// L2-normalised beforehand as the model does, FP32 g and beta. CUDA events around each host call
+// (so host and launch overhead count, which is what the composite loses), warm-up, then the median
+// of timed repetitions.
 //
 // FLOP count (matmul FLOPs of the whole chunked algorithm, per batch*head and chunk of
 // C = 64 rows; elementwise work ignored):
@@ -50,18 +51,18 @@ struct Timings {
   double forward_ms = 0, forward_backward_ms = 0;
 };
 
-void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv) {
+void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv, at::ScalarType dtype) {
   const int64_t B = 1;
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   at::manual_seed(0);
   at::Tensor q = at::randn({B, T, H, dk}, cuda);
   at::Tensor k = at::randn({B, T, H, dk}, cuda);
-  q = (q / q.norm(2, -1, true)).to(at::kBFloat16);
-  k = (k / k.norm(2, -1, true)).to(at::kBFloat16);
-  const at::Tensor v = at::randn({B, T, H, dv}, cuda).to(at::kBFloat16);
+  q = (q / q.norm(2, -1, true)).to(dtype);
+  k = (k / k.norm(2, -1, true)).to(dtype);
+  const at::Tensor v = at::randn({B, T, H, dv}, cuda).to(dtype);
   const at::Tensor g = -at::rand({B, T, H}, cuda);
   const at::Tensor beta = at::sigmoid(at::randn({B, T, H}, cuda));
-  const at::Tensor grad_o = at::randn({B, T, H, dv}, cuda).to(at::kBFloat16);
+  const at::Tensor grad_o = at::randn({B, T, H, dv}, cuda).to(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
 
   std::vector<at::Tensor> leaves = {q, k, v, g, beta};
@@ -120,16 +121,20 @@ void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv) {
 int main(int argc, char** argv) {
   std::vector<int64_t> lengths = {2048, 16384};
   int64_t heads = 16, dk = 128, dv = 128;
+  at::ScalarType dtype = at::kBFloat16;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--dk=D] [--dv=D]\n"
-          "  Times gated_delta_rule_chunked (B=1, BF16 q/k/v) forward and forward+backward with\n"
+          "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--dk=D] [--dv=D] "
+          "[--dtype=bf16|fp32]\n"
+          "  Times gated_delta_rule_chunked (B=1, BF16 or FP32 q/k/v) forward and "
+          "forward+backward with\n"
           "  step 7 as the CUDA chunk state kernel (kernel) and as the per-chunk ATen loop\n"
           "  (composite), and steps 1-6 (prep) as the chunk prep kernels (kernel) or ATen ops\n"
           "  (aten): rows kernel/kernel, kernel/aten, composite/aten. Defaults: "
-          "--lengths=2048,16384 --heads=16 --dk=128 --dv=128.\n"
+          "--lengths=2048,16384 --heads=16 --dk=128 --dv=128 --dtype=bf16 (fp32 is what the\n"
+          "  model hands the core).\n"
           "  'vs composite' is composite time / this row's time; TFLOP/s counts the matmul\n"
           "  FLOPs of the whole chunked algorithm (formula in bench/gdr_core_bench.cc).\n");
       return 0;
@@ -147,6 +152,8 @@ int main(int argc, char** argv) {
         }
         lengths.push_back(value);
       }
+    } else if (arg == "--dtype=bf16" || arg == "--dtype=fp32") {
+      dtype = arg == "--dtype=fp32" ? at::kFloat : at::kBFloat16;
     } else if (std::sscanf(argv[i], "--heads=%lld", &value) == 1 && value > 0) {
       heads = value;
     } else if (std::sscanf(argv[i], "--dk=%lld", &value) == 1 && value > 0) {
@@ -162,13 +169,14 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   std::printf(
-      "GPU: %s, %d SMs; B=1, BF16 q/k/v; warm-up %d, median of %d; eager times in ms "
+      "GPU: %s, %d SMs; B=1, %s q/k/v; warm-up %d, median of %d; eager times in ms "
       "(CUDA events around the host call)\n\n",
-      prop.name, prop.multiProcessorCount, gdr::kWarmup, gdr::kRepeats);
+      prop.name, prop.multiProcessorCount, dtype == at::kFloat ? "FP32" : "BF16", gdr::kWarmup,
+      gdr::kRepeats);
   std::printf(
       "| T | H | dk/dv | step 7 | prep | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | "
       "vs composite | fwd+bwd TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int64_t T : lengths) gdr::bench_length(T, heads, dk, dv);
+  for (int64_t T : lengths) gdr::bench_length(T, heads, dk, dv, dtype);
   return 0;
 }

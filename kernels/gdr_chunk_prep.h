@@ -11,10 +11,14 @@
 //   G_last = G_{C-1}
 // The backward is derived in ops/gdr_chunk_prep.h (Note [Chunk prep backward]).
 //
-// Layouts: q, k [B, T, H, dk], v [B, T, H, dv] contiguous, FP32 or BF16 (one type);
-// g, beta [B, T, H] contiguous FP32. Chunk outputs are contiguous FP32: u [B, H, N, C, dv],
-// w, qd, kend [B, H, N, C, dk], p [B, H, N, C, C], g_last [B, H, N]. Gradients dq, dk, dv,
-// dg, dbeta are contiguous FP32 in the input layouts. The launchers run on the stream
+// Layouts: q, k [B, T, H, dk], v [B, T, H, dv], FP32 or BF16 (one type), unit stride in
+// the head dim and any batch / token / head strides (TokenStrides: views such as narrow()
+// slices of a wider projection need no copy); g, beta [B, T, H] FP32, any strides. Chunk
+// outputs are contiguous FP32: u [B, H, N, C, dv], w, qd, kend [B, H, N, C, dk],
+// p [B, H, N, C, C], g_last [B, H, N]. Gradients are contiguous in the input shapes: dq,
+// dk, dv in the type of q, k, v (BF16 rounded to nearest even, as at::BFloat16 does), dg,
+// dbeta FP32. The chunk of the last (partial) chunk past T is handled in the kernels: no
+// padded copies. The launchers run on the stream
 // they are given. Results are deterministic: every block owns disjoint outputs (its
 // chunk's rows), every sum is one thread's fixed-order FP32 sum, no atomics (Note [Chunk
 // prep determinism] in kernels/gdr_chunk_prep_kernel.cuh).
@@ -33,6 +37,13 @@ constexpr int kChunkPrepSlab = 32;      // [U | W] columns staged per step of dM
 constexpr int64_t kChunkPrepMaxSharedBytes = 227 * 1024;
 
 enum class ChunkPrepInput { kFloat, kBFloat16 };
+
+// Element strides of a [B, T, H] or [B, T, H, d] input (the d stride is 1).
+struct TokenStrides {
+  int64_t batch = 0;
+  int64_t token = 0;
+  int64_t head = 0;
+};
 
 // Shared memory of one block, in floats; see the layouts in the kernel bodies. Rows are
 // padded by one float so that threads walking down a column hit distinct banks.
@@ -68,6 +79,7 @@ struct ChunkPrepShape {
 
 struct ChunkPrepForwardArgs {
   ChunkPrepShape shape;
+  TokenStrides q_strides, k_strides, v_strides, g_strides, beta_strides;
   const void* q = nullptr;      // [B, T, H, dk]
   const void* k = nullptr;      // [B, T, H, dk]
   const void* v = nullptr;      // [B, T, H, dv]
@@ -83,6 +95,7 @@ struct ChunkPrepForwardArgs {
 
 struct ChunkPrepBackwardArgs {
   ChunkPrepShape shape;
+  TokenStrides q_strides, k_strides, v_strides, g_strides, beta_strides;
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -97,9 +110,9 @@ struct ChunkPrepBackwardArgs {
   const float* grad_p = nullptr;
   const float* grad_kend = nullptr;
   const float* grad_g_last = nullptr;
-  float* dq = nullptr;     // [B, T, H, dk]
-  float* dk = nullptr;     // [B, T, H, dk]
-  float* dv = nullptr;     // [B, T, H, dv]
+  void* dq = nullptr;      // [B, T, H, dk] contiguous, q's type
+  void* dk = nullptr;      // [B, T, H, dk] contiguous, k's type
+  void* dv = nullptr;      // [B, T, H, dv] contiguous, v's type
   float* dg = nullptr;     // [B, T, H]
   float* dbeta = nullptr;  // [B, T, H]
 };

@@ -4,8 +4,8 @@
 // //tests/ops:gdr_chunk_prep_kernel_emulation_test, which supplies host stand-ins for the
 // CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
 // NOTE: keep this file free of includes and of CUDA APIs beyond __device__,
-// __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, expf and fmaf: the
-// emulation test defines exactly those.
+// __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, __float_as_uint,
+// expf and fmaf: the emulation test defines exactly those.
 //
 // Note [Chunk prep determinism]
 // One block owns one (batch, head, chunk) and writes only that chunk's rows of every
@@ -38,12 +38,22 @@ __device__ __forceinline__ float load_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_float(const Bf16* p) {
   return __uint_as_float(static_cast<unsigned>(p->bits) << 16);
 }
+__device__ __forceinline__ void store_float(float* p, float x) { *p = x; }
+// Round to nearest even with NaN kept a NaN: at::BFloat16's float conversion, so a BF16
+// gradient written here has the bits an FP32 gradient cast by ATen would have.
+__device__ __forceinline__ void store_float(Bf16* p, float x) {
+  const unsigned u = __float_as_uint(x);
+  p->bits = x != x ? static_cast<unsigned short>(0x7fc0)
+                   : static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // Where a block's chunk lives.
 struct ChunkPlace {
   long long block;  // (b * H + h) * N + n: index of the chunk in the [B, H, N] outputs
-  long long row0;   // element offset of token n*C, head h in [B, T, H] (times d for q/k/v)
-  int rows;         // rows of the chunk inside the sequence (the rest are padding)
+  long long row0;   // element offset of token n*C, head h in a contiguous [B, T, H] (the
+                    // gradients' layout; times d for dq, dk, dv)
+  long long b, h, t0;
+  int rows;  // rows of the chunk inside the sequence (the rest are padding)
 };
 
 __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
@@ -51,26 +61,32 @@ __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
   place.block = blockIdx.x;
   const long long n = place.block % s.chunks;
   const long long bh = place.block / s.chunks;
-  const long long h = bh % s.heads, b = bh / s.heads;
-  const long long t0 = n * kC;
-  place.row0 = (b * s.tokens + t0) * s.heads + h;
-  const long long left = s.tokens - t0;
+  place.h = bh % s.heads;
+  place.b = bh / s.heads;
+  place.t0 = n * kC;
+  place.row0 = (place.b * s.tokens + place.t0) * s.heads + place.h;
+  const long long left = s.tokens - place.t0;
   place.rows = left < kC ? static_cast<int>(left) : kC;
   return place;
+}
+
+// Element offset of row i of the chunk in an input with the given strides.
+__device__ __forceinline__ long long input_row(const TokenStrides& st, const ChunkPlace& place,
+                                               int i) {
+  return place.b * st.batch + (place.t0 + i) * st.token + place.h * st.head;
 }
 
 // Loads g and beta of the chunk (zeros past the end) and forms G = cumsum(g) and exp(G).
 // One thread does the cumsum: 64 sequential adds, a fixed order (the ATen composite's
 // scan order differs, which only moves the last bits).
-__device__ __forceinline__ void load_decays(const ChunkPrepShape& s, const ChunkPlace& place,
-                                            const float* g, const float* beta, float* gs, float* bs,
-                                            float* es) {
+template <typename Args>
+__device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& place, float* gs,
+                                            float* bs, float* es) {
   const int tid = threadIdx.x;
   if (tid < kC) {
     const bool real = tid < place.rows;
-    const long long at = place.row0 + static_cast<long long>(tid) * s.heads;
-    gs[tid] = real ? g[at] : 0.0f;
-    bs[tid] = real ? beta[at] : 0.0f;
+    gs[tid] = real ? args.g[input_row(args.g_strides, place, tid)] : 0.0f;
+    bs[tid] = real ? args.beta[input_row(args.beta_strides, place, tid)] : 0.0f;
   }
   __syncthreads();
   if (tid == 0) {
@@ -84,18 +100,19 @@ __device__ __forceinline__ void load_decays(const ChunkPrepShape& s, const Chunk
 }
 
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
-template <typename TIn>
-__device__ __forceinline__ void load_qk(const ChunkPrepShape& s, const ChunkPlace& place,
-                                        const TIn* q, const TIn* k, float* qs, int q_pitch,
-                                        float* ks, int k_pitch) {
+template <typename TIn, typename Args>
+__device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
+                                        int q_pitch, float* ks, int k_pitch) {
+  const ChunkPrepShape& s = args.shape;
+  const TIn* q = static_cast<const TIn*>(args.q);
+  const TIn* k = static_cast<const TIn*>(args.k);
   const int dk = s.dk;
   for (int e = threadIdx.x; e < kC * dk; e += kThreads) {
     const int i = e / dk, c = e % dk;
     float qv = 0.0f, kv = 0.0f;
     if (i < place.rows) {
-      const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * dk + c;
-      qv = load_float(q + at) * s.scale;
-      kv = load_float(k + at);
+      qv = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
+      kv = load_float(k + input_row(args.k_strides, place, i) + c);
     }
     qs[i * q_pitch + c] = qv;
     ks[i * k_pitch + c] = kv;
@@ -154,12 +171,10 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* es = bs + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
-  const TIn* q = static_cast<const TIn*>(args.q);
-  const TIn* k = static_cast<const TIn*>(args.k);
   const TIn* v = static_cast<const TIn*>(args.v);
 
-  load_qk(s, place, q, k, rs, rp, ks, kp);
-  load_decays(s, place, args.g, args.beta, gs, bs, es);  // ends with the cumsum, no barrier
+  load_qk<TIn>(args, place, rs, rp, ks, kp);
+  load_decays(args, place, gs, bs, es);  // ends with the cumsum, no barrier
   __syncthreads();
 
   float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
@@ -189,8 +204,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   for (int e = tid; e < kC * dv; e += kThreads) {
     const int i = e / dv, c = e % dv;
     const float vv =
-        i < place.rows ? load_float(v + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c)
-                       : 0.0f;
+        i < place.rows ? load_float(v + input_row(args.v_strides, place, i) + c) : 0.0f;
     rs[i * rp + c] = vv * bs[i];
   }
   for (int e = tid; e < kC * dk; e += kThreads) {
@@ -246,14 +260,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   float* fs = dgs + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
-  const TIn* q = static_cast<const TIn*>(args.q);
-  const TIn* k = static_cast<const TIn*>(args.k);
   const TIn* v = static_cast<const TIn*>(args.v);
   const long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
 
   // Phase 0.
-  load_qk(s, place, q, k, qs, kp, ks, kp);
-  load_decays(s, place, args.g, args.beta, gs, bs, es);
+  load_qk<TIn>(args, place, qs, kp, ks, kp);
+  load_decays(args, place, gs, bs, es);
   __syncthreads();
 
   // Phase 1.
@@ -353,7 +365,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   if (tid < kC) {
     const int i = tid;
     const bool real = i < place.rows;
-    const long long v_row = (place.row0 + static_cast<long long>(i) * s.heads) * dv;
+    const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
     for (int c = 0; c < dv; ++c) {
       if (real) su = fmaf(load_float(v + v_row + c), rs[i * rp + c], su);
@@ -417,14 +429,17 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
       const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
       const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
-      args.dk[at] = acc_k[m] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * expf(g_last - gs[i]);
-      args.dq[at] = (acc_q[m] + dqd * es[i]) * s.scale;
+      store_float(static_cast<TIn*>(args.dk) + at,
+                  acc_k[m] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * expf(g_last - gs[i]));
+      store_float(static_cast<TIn*>(args.dq) + at, (acc_q[m] + dqd * es[i]) * s.scale);
     }
   }
   for (int e = tid; e < kC * dv; e += kThreads) {
     const int i = e / dv, c = e % dv;
     if (i < place.rows) {
-      args.dv[(place.row0 + static_cast<long long>(i) * s.heads) * dv + c] = bs[i] * rs[i * rp + c];
+      store_float(
+          static_cast<TIn*>(args.dv) + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c,
+          bs[i] * rs[i * rp + c]);
     }
   }
 }

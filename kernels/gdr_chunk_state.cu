@@ -12,7 +12,8 @@ namespace gdr::kernels {
 // kernel launcher
 
 int launch_chunk_state_scan(const ChunkStateScanArgs& args, CUstream_st* stream) {
-  if (!chunk_state_scan_supports(args.dk, args.dv) || args.batch_heads <= 0 || args.chunks < 0) {
+  if (!chunk_state_scan_supports(args.dk, args.dv) || args.batch_heads <= 0 || args.chunks < 0 ||
+      args.g_last == nullptr || (args.dot_with == nullptr) != (args.dot_out == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   // One block per (batch*head, dv tile): B=1, H=16, dv=128 gives 128 blocks, about one

@@ -3,21 +3,25 @@
 // carrying a [dk, dv] FP32 matrix, used for the forward state pass and, walking backwards,
 // for the state-gradient pass. Plain C++ (no CUDA or torch headers).
 //
-// One step of the scan, chunk n, carry X ([dk, dv]):
+// One step of the scan, chunk n, carry X ([dk, dv]), decay_n = exp(g_last_n):
 //   R_n   = base_n + left_sign * left_n @ X            [C, dv]   (left_n: [C, dk])
 //   X'    = decay_n * X + extra_n + right_sign * right_n^T @ R_n   (right_n: [C, dk])
+// and, when asked (the backward's dGlast_n = decay_n * sum(S_n .* dS_{n+1})), per thread
+// the partial dot decay_n * <dot_with_n, X> over the carry elements the thread owns.
 // Forward:  X = S, base = U, left = W, left_sign = -1, right = Kend, right_sign = +1,
 //           no extra; R_n = Vn (the corrected values), carry entering chunk n = S_n.
 // Backward: X = dS, base = P^T dO, left = Kend, left_sign = +1, right = W,
 //           right_sign = -1, extra = Qd^T dO; R_n = dVn, carry entering chunk n = dS_{n+1}.
-// Everything that contracts over dv (O, dW, dQd, dKend, dP, dGlast) needs no carry once
-// the carries are stored, so the op layer computes it with batched matmuls after the
-// scan; the kernel therefore never reduces across blocks (see Note [Chunk state scan
-// determinism] in kernels/gdr_chunk_state_kernel.cuh).
+// Everything else (O, dW, dQd, dKend, dP) needs no carry once the carries are stored, so
+// the op layer computes it with batched matmuls after the scan. dGlast contracts over dv,
+// i.e. across blocks: the kernel only writes per-thread partials, which the op layer sums
+// in a fixed order. The kernel therefore never reduces across blocks (see Note [Chunk
+// state scan determinism] in kernels/gdr_chunk_state_kernel.cuh).
 //
 // Layouts: base/left/right are [BH, N, C, d] FP32 with unit stride in the last dimension
 // and the given strides elsewhere (so narrow() views of a wider tensor need no copy);
-// extra, decay, carry_in, rows_out, carries_out, carry_final are contiguous FP32.
+// extra, g_last, carry_in, rows_out, carries_out, carry_final, dot_with, dot_out are
+// contiguous FP32.
 // The launcher runs on the stream it is given. Results are deterministic: every output
 // element is one thread's fixed-order FP32 sum, with no atomics.
 #pragma once
@@ -58,12 +62,23 @@ struct ChunkStateScanArgs {
   float left_sign = 1.0f;
   float right_sign = 1.0f;
   const float* extra = nullptr;     // [BH, N, dk, dv], nullptr = zeros
-  const float* decay = nullptr;     // [BH, N]
+  const float* g_last = nullptr;    // [BH, N]: log of the decay (the kernel takes expf)
   const float* carry_in = nullptr;  // [BH, dk, dv], nullptr = zeros
   float* rows_out = nullptr;        // [BH, N, C, dv]: R_n
   float* carries_out = nullptr;     // [BH, N, dk, dv]: the carry entering chunk n
   float* carry_final = nullptr;     // [BH, dk, dv]: the carry after the last step
+  // Optional (both or neither): dot_out[((bh * N + n) * (dv / 16) + tile) * 256 + thread]
+  // = decay_n * sum over the thread's carry elements (i, j) of dot_with_n[i, j] * X[i, j],
+  // X the carry entering chunk n. Summing a (bh, n)'s dv / 16 * 256 partials gives
+  // decay_n * <dot_with_n, X>.
+  const float* dot_with = nullptr;  // [BH, N, dk, dv]
+  float* dot_out = nullptr;         // [BH, N, dv / 16, 256]
 };
+
+// Partials per (bh, n) that dot_out holds.
+inline int64_t chunk_state_dot_partials(int64_t dv) {
+  return dv / kChunkStateTileDv * kChunkStateThreads;
+}
 
 // Returns a cudaError_t as int (cudaSuccess = 0). Caller checks
 // chunk_state_scan_supports(dk, dv) first; unsupported shapes return

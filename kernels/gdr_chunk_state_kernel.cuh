@@ -4,8 +4,8 @@
 // for the CUDA built-ins (__global__, __shared__, __syncthreads, threadIdx, blockIdx) and
 // runs this very code with one host thread per CUDA thread, so the indexing and barriers
 // are checked on machines without a GPU.
-// NOTE: keep this file free of other includes and of CUDA APIs beyond those built-ins and
-// fmaf: the emulation test defines exactly those.
+// NOTE: keep this file free of other includes and of CUDA APIs beyond those built-ins,
+// fmaf and expf: the emulation test defines exactly those.
 //
 // Note [Chunk state scan determinism]
 // One block owns one (batch*head, 16-column dv tile) and walks every chunk of it; the
@@ -14,9 +14,11 @@
 // dv tiles are independent: no cross-block reduction exists, hence no atomics and no
 // scratch partials. Inside a block, each output element is accumulated by one thread in
 // a fixed index order. The same inputs therefore give the same bits on every run,
-// stream and load. Keep it that way: the quantities that do contract over dv (O, dW,
-// dQd, dKend, dP, dGlast) are computed by the op layer with batched matmuls / ATen sums
-// after the scan (ops/gdr_core_cuda.cc), not here.
+// stream and load. Keep it that way: the products that need no carry (O, dW, dQd, dKend,
+// dP) are batched matmuls in the op layer after the scan (ops/gdr_chunk_state.cc), and
+// dGlast, which contracts over dv and so across blocks, leaves this kernel only as
+// per-thread partials (each slot written once by one thread) that the op layer sums in a
+// fixed order.
 #pragma once
 
 #include "kernels/gdr_chunk_state.h"
@@ -137,7 +139,15 @@ __global__ void __launch_bounds__(kThreads) chunk_state_scan_kernel(const ChunkS
       const int i = rg + m * kRowGroups;
       extra_v[m] = args.extra ? args.extra[bhn * state_size + i * dv + col0 + j] : 0.0f;
     }
-    const float decay = args.decay[bhn];
+    const float decay = expf(args.g_last[bhn]);
+    float dot_v[kRowsCarry];
+    if (args.dot_with) {
+#pragma unroll
+      for (int m = 0; m < kRowsCarry; ++m) {
+        const int i = rg + m * kRowGroups;
+        dot_v[m] = args.dot_with[bhn * state_size + i * dv + col0 + j];
+      }
+    }
 
     // The carry entering chunk n: to shared memory for left @ X, to global for the op
     // layer (forward: S_n for O, dW, dQd; backward: dS_{n+1} for dKend, dGlast).
@@ -147,6 +157,13 @@ __global__ void __launch_bounds__(kThreads) chunk_state_scan_kernel(const ChunkS
       const int i = rg + m * kRowGroups;
       carry_s[i][j] = carry[m];
       args.carries_out[bhn * state_size + i * dv + col0 + j] = carry[m];
+    }
+    if (args.dot_with) {
+      // m in order; the op layer sums the partials of (bh, n) in a fixed order.
+      float dot = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kRowsCarry; ++m) dot = fmaf(dot_v[m], carry[m], dot);
+      args.dot_out[(bhn * tiles + blockIdx.x % tiles) * kThreads + tid] = decay * dot;
     }
 
     // R = base + left_sign * left @ X.

@@ -420,10 +420,30 @@ void check_kernel_inputs(const char* op, const at::Tensor& q, const at::Tensor& 
               dk, ", dv = ", dv);
 }
 
-// q, k, v as the kernel reads them: contiguous Float or BFloat16 (Half goes through Float).
+// q, k, v as the kernel reads them: Float or BFloat16 (Half goes through Float) with unit
+// stride in the head dim; any other strides are passed to the kernel, so views need no copy.
 at::Tensor kernel_operand(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return t.to(at::kFloat).contiguous();
-  return t.contiguous();
+  return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous();
+}
+
+kernels::TokenStrides token_strides(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename Args>
+void set_inputs(Args& args, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& g, const at::Tensor& beta) {
+  args.q = q.data_ptr();
+  args.k = k.data_ptr();
+  args.v = v.data_ptr();
+  args.g = g.data_ptr<float>();
+  args.beta = beta.data_ptr<float>();
+  args.q_strides = token_strides(q);
+  args.k_strides = token_strides(k);
+  args.v_strides = token_strides(v);
+  args.g_strides = token_strides(g);
+  args.beta_strides = token_strides(beta);
 }
 
 kernels::ChunkPrepShape kernel_shape(const at::Tensor& q, const at::Tensor& v, double scale,
@@ -458,7 +478,6 @@ forward_via_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   check_kernel_inputs(op, q, g, beta, chunk_size, dk, dv);
   const at::Tensor qc = kernel_operand(q), kc = kernel_operand(k), vc = kernel_operand(v);
-  const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
   kernels::ChunkPrepForwardArgs args;
   args.shape = kernel_shape(qc, vc, scale, chunk_size);
   const int64_t N = args.shape.chunks, C = chunk_size;
@@ -468,11 +487,7 @@ forward_via_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   at::Tensor qd = at::empty_like(w), kend = at::empty_like(w);
   at::Tensor p = at::empty({B, H, N, C, C}, options);
   at::Tensor g_last = at::empty({B, H, N}, options);
-  args.q = qc.data_ptr();
-  args.k = kc.data_ptr();
-  args.v = vc.data_ptr();
-  args.g = gc.data_ptr<float>();
-  args.beta = bc.data_ptr<float>();
+  set_inputs(args, qc, kc, vc, g, beta);
   args.u = u.data_ptr<float>();
   args.w = w.data_ptr<float>();
   args.qd = qd.data_ptr<float>();
@@ -495,7 +510,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   check_kernel_inputs(op, q, g, beta, chunk_size, dk, dv);
   const at::Tensor qc = kernel_operand(q), kc = kernel_operand(k), vc = kernel_operand(v);
-  const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
   kernels::ChunkPrepBackwardArgs args;
   args.shape = kernel_shape(qc, vc, scale, chunk_size);
   const int64_t N = args.shape.chunks, C = chunk_size;
@@ -520,15 +534,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   const at::Tensor dp = grad(grad_p, "grad_p", {B, H, N, C, C});
   const at::Tensor dkend = grad(grad_kend, "grad_kend", {B, H, N, C, dk});
   const at::Tensor dgl = grad(grad_g_last, "grad_g_last", {B, H, N});
-  const auto options = q.options().dtype(at::kFloat);
-  at::Tensor dq = at::empty(q.sizes(), options), dkk = at::empty(k.sizes(), options);
-  at::Tensor dvv = at::empty(v.sizes(), options), dg = at::empty(g.sizes(), options);
+  // dq, dk, dv come out of the kernel in the operands' type (no cast pass); dg, dbeta FP32.
+  const auto options = q.options().dtype(at::kFloat), qkv_options = qc.options();
+  at::Tensor dq = at::empty(q.sizes(), qkv_options), dkk = at::empty(k.sizes(), qkv_options);
+  at::Tensor dvv = at::empty(v.sizes(), qkv_options), dg = at::empty(g.sizes(), options);
   at::Tensor dbeta = at::empty(beta.sizes(), options);
-  args.q = qc.data_ptr();
-  args.k = kc.data_ptr();
-  args.v = vc.data_ptr();
-  args.g = gc.data_ptr<float>();
-  args.beta = bc.data_ptr<float>();
+  set_inputs(args, qc, kc, vc, g, beta);
   args.u = uc.data_ptr<float>();
   args.w = wc.data_ptr<float>();
   args.grad_u = data_or_null(du);
@@ -537,12 +548,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   args.grad_p = data_or_null(dp);
   args.grad_kend = data_or_null(dkend);
   args.grad_g_last = data_or_null(dgl);
-  args.dq = dq.data_ptr<float>();
-  args.dk = dkk.data_ptr<float>();
-  args.dv = dvv.data_ptr<float>();
+  args.dq = dq.data_ptr();
+  args.dk = dkk.data_ptr();
+  args.dv = dvv.data_ptr();
   args.dg = dg.data_ptr<float>();
   args.dbeta = dbeta.data_ptr<float>();
   launch(args);
+  // A no-op except for Half inputs (computed through Float).
   return {dq.to(q.scalar_type()), dkk.to(k.scalar_type()), dvv.to(v.scalar_type()), dg, dbeta};
 }
 

@@ -33,9 +33,13 @@
 //
 // CPU: any C, plain loops in the compute dtype (the reference). CUDA (ops/gdr_core_cuda.cc,
 // linked through //ops:cuda_ops): q, k, v Float or BFloat16 (Half is cast to Float
-// first), g, beta Float, C = 64, kernels::chunk_prep_supports(dk, dv); Float outputs;
-// the current stream; deterministic by construction (Note [Chunk prep determinism] in
-// kernels/gdr_chunk_prep_kernel.cuh). Gradients come back in the inputs' dtypes.
+// first), g, beta Float, C = 64, kernels::chunk_prep_supports(dk, dv); inputs are read in
+// place in their own layout (any batch / token / head strides, unit stride in the head
+// dim; otherwise one contiguous() copy) and the tail chunk past T is zero-filled inside
+// the kernels, not by padded copies; Float outputs; the current stream; deterministic by
+// construction (Note [Chunk prep determinism] in kernels/gdr_chunk_prep_kernel.cuh).
+// Gradients come back contiguous in the inputs' dtypes, dq / dk / dv written by the
+// kernel directly in BF16 for BF16 inputs (no cast pass).
 #pragma once
 
 #include <ATen/core/Tensor.h>

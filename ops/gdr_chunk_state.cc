@@ -125,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
   check_kernel_shape("chunk_state_pass", u, C, dk, dv);
   const auto options = u.options();
 
-  const at::Tensor decay = g_last.exp().contiguous();
+  const at::Tensor log_decay = g_last.contiguous();  // the kernel takes exp itself
   const at::Tensor initial = present(initial_state) ? initial_state->contiguous() : at::Tensor();
   at::Tensor states = at::empty({B, H, N, dk, dv}, options);
   at::Tensor v_new = at::empty({B, H, N, C, dv}, options);
@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
   args.left_sign = -1.0f;
   args.right = chunk_operand(kend, kend_holder);
   args.right_sign = 1.0f;
-  args.decay = decay.data_ptr<float>();
+  args.g_last = log_decay.data_ptr<float>();
   args.carry_in = initial.defined() ? initial.data_ptr<float>() : nullptr;
   args.rows_out = v_new.data_ptr<float>();
   args.carries_out = states.data_ptr<float>();
@@ -175,12 +175,17 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   // at once, so the sequential walk only does the two carry products.
   const at::Tensor pt_do = at::bmm(batched(p).transpose(1, 2), dO3).view({B, H, N, C, dv});
   const at::Tensor qt_do = at::bmm(batched(qd).transpose(1, 2), dO3);  // [BHN, dk, dv]
-  const at::Tensor decay = g_last.exp().contiguous();
+  const at::Tensor log_decay = g_last.contiguous();  // the kernel takes exp itself
+  const at::Tensor states_c = states.contiguous();
   const at::Tensor grad_final =
       present(grad_final_state) ? grad_final_state->contiguous() : at::Tensor();
   at::Tensor carries = at::empty({B, H, N, dk, dv}, options);  // g_{n+1}, entering chunk n
   at::Tensor du = at::empty({B, H, N, C, dv}, options);
   at::Tensor d_initial = at::empty({B, H, dk, dv}, options);
+  // dGlast_n = exp(Glast_n) sum(S_n .* g_{n+1}) as per-thread partials of the scan (it
+  // holds g_{n+1}), summed below in ATen's fixed order: no extra pass over states and
+  // carries.
+  at::Tensor dot_partials = at::empty({B, H, N, kernels::chunk_state_dot_partials(dv)}, options);
   at::Tensor base_holder, kend_holder, w_holder;
 
   // dV_n = P_n^T dO_n + Kend_n g_{n+1};  g_n = a_n g_{n+1} + Qd_n^T dO_n - W_n^T dV_n.
@@ -196,19 +201,24 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   args.right = chunk_operand(w, w_holder);
   args.right_sign = -1.0f;
   args.extra = qt_do.data_ptr<float>();
-  args.decay = decay.data_ptr<float>();
+  args.g_last = log_decay.data_ptr<float>();
   args.carry_in = grad_final.defined() ? grad_final.data_ptr<float>() : nullptr;
   args.rows_out = du.data_ptr<float>();
   args.carries_out = carries.data_ptr<float>();
   args.carry_final = d_initial.data_ptr<float>();
+  args.dot_with = states_c.data_ptr<float>();
+  args.dot_out = dot_partials.data_ptr<float>();
   scan(args);
 
-  const at::Tensor S3 = batched(states), G3 = batched(carries), V3 = batched(v_new);
-  at::Tensor dw = at::bmm(batched(du), S3.transpose(1, 2)).neg_().view({B, H, N, C, dk});
+  const at::Tensor S3 = batched(states_c), G3 = batched(carries), V3 = batched(v_new);
+  // dW = -dV S^T in one GEMM (alpha = -1, beta = 0: the empty output is never read).
+  at::Tensor dw = at::empty({B * H * N, C, dk}, options);
+  dw.baddbmm_(batched(du), S3.transpose(1, 2), /*beta=*/0.0, /*alpha=*/-1.0);
+  dw = dw.view({B, H, N, C, dk});
   at::Tensor dqd = at::bmm(dO3, S3.transpose(1, 2)).view({B, H, N, C, dk});
   at::Tensor dp = at::bmm(dO3, V3.transpose(1, 2)).view({B, H, N, C, C});
   at::Tensor dkend = at::bmm(V3, G3.transpose(1, 2)).view({B, H, N, C, dk});
-  at::Tensor dg_last = decay * (states * carries).sum({-2, -1});
+  at::Tensor dg_last = dot_partials.sum(-1);
   return {du, dw, dqd, dp, dkend, dg_last, d_initial};
 }
 

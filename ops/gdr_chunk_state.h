@@ -82,8 +82,10 @@ inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() &
 // tests can run it with a host emulation of the kernel: `scan` must do what
 // kernels::launch_chunk_state_scan does (on the CUDA op: launch it on the current stream
 // and check the launch). Everything else is ATen: operand layouts, the carry-independent
-// products before the backward scan (P^T dO, Qd^T dO) and the dv-contracted results after
-// each scan (O; dW, dQd, dP, dKend, dGlast) as batched matmuls over (b, h, n). FP32,
+// products before the backward scan (P^T dO, Qd^T dO) and the carry-free results after
+// each scan (O; dW, dQd, dP, dKend) as batched matmuls over (b, h, n); dGlast is the sum
+// of the backward scan's per-thread dot partials (one ATen sum, fixed order). The decay
+// exp(g_last) is taken inside the kernel. FP32,
 // C = kernels::kChunkStateChunk, kernels::chunk_state_scan_supports(dk, dv); refused
 // otherwise with a message naming `op`.
 using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;

@@ -6,12 +6,14 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
 #include <ATen/ops/linalg_solve_triangular.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -86,6 +88,48 @@ at::Tensor initial_state_or_zeros(const std::optional<at::Tensor>& initial_state
   }
   return at::zeros({B, H, dk, dv}, options);
 }
+
+// Note [Chunk output layout]
+// The state pass leaves O in the chunk layout [B, H, N, C, dv] (FP32, padded tail rows);
+// the caller wants o [B, T, H, dv] in v's dtype. As ATen views (reshape -> narrow ->
+// transpose -> to) that costs a cast in the forward for 16-bit v, hands the model a
+// transposed (strided) o, and in the backward a cast, a zero fill of the whole padded
+// gradient and a strided copy into it (narrow's backward), then a contiguous() copy for
+// the batched matmuls. This one function does the same values in one copy each way:
+// forward, one cast-and-transpose copy into a contiguous o; backward, one copy of grad_o
+// (any layout and floating dtype) into the chunk layout, plus a zero fill of the padded
+// tail rows only (their gradient must be exactly zero: the state pass backward multiplies
+// them by zeros of P and Qd, and 0 * garbage could be NaN). Copies are exact, so the
+// numbers are those of the view chain.
+class ChunksToTokens : public torch::autograd::Function<ChunksToTokens> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& o_chunks,
+                            int64_t tokens, at::ScalarType dtype) {
+    const int64_t B = o_chunks.size(0), H = o_chunks.size(1), N = o_chunks.size(2),
+                  C = o_chunks.size(3), dv = o_chunks.size(4);
+    at::Tensor o = at::empty({B, tokens, H, dv}, o_chunks.options().dtype(dtype));
+    o.copy_(o_chunks.reshape({B, H, N * C, dv}).narrow(2, 0, tokens).transpose(1, 2));
+    ctx->saved_data["chunks"] = N;
+    ctx->saved_data["chunk"] = C;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(o_chunks.scalar_type());
+    ctx->set_materialize_grads(false);
+    return o;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const int64_t B = grad.size(0), T = grad.size(1), H = grad.size(2), dv = grad.size(3);
+    const int64_t N = ctx->saved_data["chunks"].toInt(), C = ctx->saved_data["chunk"].toInt();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    at::Tensor d = at::empty({B, H, N, C, dv}, grad.options().dtype(dtype));
+    at::Tensor rows = d.view({B, H, N * C, dv});
+    rows.narrow(2, 0, T).copy_(grad.transpose(1, 2));
+    if (N * C > T) rows.narrow(2, T, N * C - T).zero_();
+    return {d, at::Tensor(), at::Tensor()};
+  }
+};
 
 std::mutex g_impl_mutex;
 std::optional<GdrCoreImpl> g_impl_override;
@@ -380,8 +424,8 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
     if (initial_state.has_value() && initial_state->defined()) S0 = initial_state->to(ct);
     auto [o_chunks, S_final, states, v_new] =
         chunk_state_pass(U, W, Q_decayed, P, K_to_end, G_last, S0);
-    at::Tensor o = o_chunks.reshape({B, H, N * C, dv});
-    o = o.narrow(2, 0, T).transpose(1, 2).to(v.scalar_type());  // [B, T, H, dv]
+    // [B, T, H, dv] in v's dtype, contiguous (Note [Chunk output layout]).
+    at::Tensor o = ChunksToTokens::apply(o_chunks, T, v.scalar_type());
     return {o, output_final_state ? S_final : at::Tensor()};
   }
   g_last_step7.store(static_cast<int>(GdrCoreImpl::kComposite));

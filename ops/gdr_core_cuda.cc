@@ -4,11 +4,12 @@
 // scan-based implementation (chunk_state_internal::forward_via_scan / backward_via_scan
 // in ops/gdr_chunk_state.cc) with the scan kernel (kernels/gdr_chunk_state.cu) launched
 // on the current stream. The sequential chunk walk is one kernel launch each way;
-// everything that does not depend on the carry (O, P^T dO, Qd^T dO, dW, dQd, dP, dKend,
-// dGlast) is a handful of batched cuBLAS / ATen calls over all (batch, head, chunk). No
-// atomics anywhere: the kernel's sums are per-thread in fixed order (Note [Chunk state
-// scan determinism]) and the batched products and the dGlast sum are ATen's
-// deterministic ops. Registered for the CUDA dispatch key; linked into CUDA binaries only.
+// everything that does not depend on the carry (O, P^T dO, Qd^T dO, dW, dQd, dP, dKend)
+// is a handful of batched cuBLAS calls over all (batch, head, chunk), and dGlast one ATen
+// sum of the backward scan's per-thread partials. No atomics anywhere: the kernel's sums
+// are per-thread in fixed order (Note [Chunk state scan determinism]) and the batched
+// products and the dGlast sum are ATen's deterministic ops. Registered for the CUDA
+// dispatch key; linked into CUDA binaries only.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -60,7 +61,7 @@ chunk_state_backward_cuda(const std::optional<at::Tensor>& grad_o,
 
 // The chunk prep (steps 1-6): one kernel each way on the current stream; everything else
 // in chunk_prep_internal::forward_via_kernel / backward_via_kernel is allocation and
-// layout checks (plus a cast for Half inputs and of the gradients to BF16 inputs).
+// layout checks (plus casts for Half inputs only: BF16 is read and written in-kernel).
 void check_prep_launch(int error, const char* what) {
   TORCH_CHECK(error == cudaSuccess, "chunk_prep: ", what,
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));

@@ -3,8 +3,11 @@
 // T not a multiple of 64; the whole gated_delta_rule_chunked with GDR_CORE_PREP=kernel
 // against aten (outputs and gradients of q, k, v, g, beta, initial_state; FP32 tight
 // against the FP64 CPU result, BF16 within a stated tolerance of the aten path); the
-// switch's environment variable and fall-backs; side streams; 100 bit-exact replays of
-// the training shape while other streams load the GPU.
+// switch's environment variable and fall-backs; inputs read in place as strided views
+// (q, k, v slices of one projection row, g and beta transposed) giving the bits of
+// contiguous inputs, with o handed over contiguous in v's dtype; side streams; 100
+// bit-exact replays of the training shape (BF16 and FP32 q/k/v) while other streams load
+// the GPU.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -198,6 +201,8 @@ TEST_F(GdrCorePrepGpu, KernelPrepMatchesTheAtenPrepInOutputsAndGradients) {
       {1, 100, 2, 64, 48, false, at::kFloat, GdrCoreImpl::kComposite},
       {1, 2048, 16, 128, 128, false, at::kBFloat16, GdrCoreImpl::kKernel},
       {2, 300, 2, 64, 64, true, at::kBFloat16, GdrCoreImpl::kKernel},
+      {1, 64, 2, 128, 128, true, at::kBFloat16, GdrCoreImpl::kKernel},
+      {1, 130, 2, 128, 128, false, at::kBFloat16, GdrCoreImpl::kKernel},
   };
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   for (const CoreCase& c : cases) {
@@ -245,6 +250,48 @@ TEST_F(GdrCorePrepGpu, KernelPrepMatchesTheAtenPrepInOutputsAndGradients) {
   }
 }
 
+// The model's layouts: q, k, v slices of one projection row per token ([B, T, 2 H dk +
+// H dv] viewed as heads), g and beta with a non-unit token stride. The kernels read them in
+// place; the arithmetic is that of contiguous inputs, so every output and gradient must
+// have the same bits.
+TEST_F(GdrCorePrepGpu, StridedInputsGiveTheBitsOfContiguousInputs) {
+  set_gdr_core_prep(GdrCorePrep::kKernel);
+  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"};
+  for (const int64_t T : {200, 2085, 130, 64}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const int64_t B = 2, H = 3, dk = 128, dv = 64;
+      const std::string context =
+          "T" + std::to_string(T) + (dtype == at::kBFloat16 ? " bf16" : " fp32");
+      const Inputs x = make_inputs(B, T, H, dk, dv, false, dtype, 5 + T);
+      const at::Tensor w_o = at::randn({B, T, H, dv}, kCuda);
+      const at::Tensor w_s = at::randn({B, H, dk, dv}, kCuda);
+      const Results contiguous = run_core(x, w_o, w_s);
+
+      at::Tensor row = at::empty({B, T, H * (2 * dk + dv) + 8}, x.q.options());
+      row.narrow(-1, 0, H * dk).copy_(x.q.reshape({B, T, H * dk}));
+      row.narrow(-1, H * dk, H * dk).copy_(x.k.reshape({B, T, H * dk}));
+      row.narrow(-1, 2 * H * dk, H * dv).copy_(x.v.reshape({B, T, H * dv}));
+      Inputs strided;
+      strided.q = row.narrow(-1, 0, H * dk).view({B, T, H, dk});
+      strided.k = row.narrow(-1, H * dk, H * dk).view({B, T, H, dk});
+      strided.v = row.narrow(-1, 2 * H * dk, H * dv).view({B, T, H, dv});
+      strided.g = x.g.transpose(0, 1).contiguous().transpose(0, 1);
+      strided.beta = x.beta.transpose(0, 1).contiguous().transpose(0, 1);
+      ASSERT_FALSE(strided.q.is_contiguous() || strided.v.is_contiguous() ||
+                   strided.g.is_contiguous());
+      const Results got = run_core(strided, w_o, w_s);
+      EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
+      EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel) << context;
+      EXPECT_TRUE(got[0].is_contiguous()) << context << " o";
+      EXPECT_EQ(got[0].scalar_type(), dtype) << context << " o";
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(got[i], contiguous[i])) << context << " " << names[i];
+      }
+    }
+  }
+}
+
 TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
   const Inputs ok = make_inputs(1, 100, 2, 64, 64, false, at::kFloat, 4);
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
@@ -278,11 +325,15 @@ TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
 // ---------------------------------------------------------------------------
 // Replays under load
 
-TEST_F(GdrCorePrepGpu, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
+class GdrCorePrepReplays : public GdrCorePrepGpu,
+                           public testing::WithParamInterface<at::ScalarType> {};
+
+TEST_P(GdrCorePrepReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
   set_gdr_core_prep(GdrCorePrep::kKernel);
   set_gdr_core_impl(GdrCoreImpl::kKernel);
-  // The training shape of one Qwen3.5-0.8B GDN layer, BF16 activations as in the model.
-  const Inputs x = make_inputs(1, 2048, 16, 128, 128, false, at::kBFloat16, 99);
+  // The training shape of one Qwen3.5-0.8B GDN layer: BF16 q/k/v (the benchmark's) and
+  // FP32 (what the model hands the core after its FP32 L2 norm).
+  const Inputs x = make_inputs(1, 2048, 16, 128, 128, false, GetParam(), 99);
   const at::Tensor w_o = at::randn({1, 2048, 16, 128}, kCuda);
   const at::Tensor w_s = at::randn({1, 16, 128, 128}, kCuda);
   const Results first_core = run_core(x, w_o, w_s);
@@ -306,6 +357,11 @@ TEST_F(GdrCorePrepGpu, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsT
       << "gated_delta_rule_chunked (prep kernel, step 7 kernel) forward and gradients must give "
          "identical bits on every replay";
 }
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GdrCorePrepReplays, testing::Values(at::kBFloat16, at::kFloat),
+                         [](const testing::TestParamInfo<at::ScalarType>& info) {
+                           return std::string(info.param == at::kFloat ? "Fp32" : "Bf16");
+                         });
 
 }  // namespace
 }  // namespace gdr

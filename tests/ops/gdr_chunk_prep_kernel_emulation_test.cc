@@ -4,9 +4,10 @@
 // at a time), driven by the CUDA op's own code (chunk_prep_internal::forward_via_kernel /
 // backward_via_kernel), and checked against the CPU reference op in FP64: both head dims
 // the kernels support, dv != dk, T not a multiple of 64 (a padded tail chunk), FP32 and
-// BF16 inputs, absent upstream gradients. This proves the kernels' indexing, barriers and
-// shared-memory carve-up and the op's layouts on machines without a GPU; speed, streams
-// and the real hardware are the GPU test's business.
+// BF16 inputs, absent upstream gradients, inputs read in place as strided views (q, k, v
+// slices of one wider projection; g, beta transposed). This proves the kernels' indexing, barriers
+// and shared-memory carve-up and the op's layouts on machines without a GPU; speed, streams and the
+// real hardware are the GPU test's business.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
@@ -32,6 +33,11 @@ float __uint_as_float(unsigned bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+unsigned __float_as_uint(float f) {
+  unsigned bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
 }
 
 #define __device__
@@ -95,13 +101,15 @@ void emulate_backward(const ChunkPrepBackwardArgs& args) {
 struct Case {
   int64_t B, T, H, dk, dv;
   at::ScalarType dtype;
-  bool all_grads;  // false: only dU, dP and dGlast given
+  bool all_grads;        // false: only dU, dP and dGlast given
+  bool strided = false;  // q, k, v slices of one [B, T, H, 2 dk + dv + 8]; g, beta transposed
 };
 
 std::string describe(const Case& c) {
   return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) +
          "_dk" + std::to_string(c.dk) + "_dv" + std::to_string(c.dv) + "_" +
-         (c.dtype == at::kBFloat16 ? "bf16" : "fp32") + (c.all_grads ? "" : "_some_grads");
+         (c.dtype == at::kBFloat16 ? "bf16" : "fp32") + (c.all_grads ? "" : "_some_grads") +
+         (c.strided ? "_strided" : "");
 }
 
 // max |x - ref| / max |ref|.
@@ -119,9 +127,23 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   at::Tensor q = at::randn({c.B, c.T, c.H, c.dk}), k = at::randn({c.B, c.T, c.H, c.dk});
   q = (q / q.norm(2, -1, true)).to(c.dtype);
   k = (k / k.norm(2, -1, true)).to(c.dtype);
-  const at::Tensor v = at::randn({c.B, c.T, c.H, c.dv}).to(c.dtype);
-  const at::Tensor g = -2.0 * at::rand({c.B, c.T, c.H});
-  const at::Tensor beta = at::sigmoid(at::randn({c.B, c.T, c.H}));
+  at::Tensor v = at::randn({c.B, c.T, c.H, c.dv}).to(c.dtype);
+  at::Tensor g = -2.0 * at::rand({c.B, c.T, c.H});
+  at::Tensor beta = at::sigmoid(at::randn({c.B, c.T, c.H}));
+  if (c.strided) {
+    // The same values as views the kernels must read in place: one wider row per token
+    // and head holding q | k | v | 8 unused, and g, beta stored [T, B, H].
+    at::Tensor wide = at::full({c.B, c.T, c.H, 2 * c.dk + c.dv + 8}, NAN, q.options());
+    wide.narrow(-1, 0, c.dk).copy_(q);
+    wide.narrow(-1, c.dk, c.dk).copy_(k);
+    wide.narrow(-1, 2 * c.dk, c.dv).copy_(v);
+    q = wide.narrow(-1, 0, c.dk);
+    k = wide.narrow(-1, c.dk, c.dk);
+    v = wide.narrow(-1, 2 * c.dk, c.dv);
+    g = g.transpose(0, 1).contiguous().transpose(0, 1);
+    beta = beta.transpose(0, 1).contiguous().transpose(0, 1);
+    ASSERT_FALSE(q.is_contiguous() || v.is_contiguous() || (c.B > 1 && g.is_contiguous()));
+  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
   const int64_t C = kChunkPrepChunk;
 
@@ -171,6 +193,18 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
     const double tol = grad_types[i] == at::kBFloat16 ? 8e-3 : 5e-5;
     EXPECT_LE(relative_error(gb[i], rb[i]), tol) << describe(c) << " " << grad_names[i];
   }
+  if (c.dtype == at::kBFloat16) {
+    // The same values as FP32 inputs run the same FP32 arithmetic; the kernel's own BF16
+    // rounding of dq, dk, dv must then be bit for bit ATen's cast of the FP32 result.
+    auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    const auto fp32_b = chunk_prep_internal::backward_via_kernel(
+        du, grads[1], grads[2], grads[3], grads[4], grads[5], f32(q), f32(k), f32(v), g, beta,
+        got_out[0], got_out[1], scale, C, emulate_backward);
+    const at::Tensor f[] = {std::get<0>(fp32_b), std::get<1>(fp32_b), std::get<2>(fp32_b)};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::equal(f[i].to(at::kBFloat16), gb[i])) << describe(c) << " " << grad_names[i];
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
@@ -178,7 +212,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
                                            Case{2, 64, 1, 64, 128, at::kFloat, false},
                                            Case{1, 70, 1, 128, 64, at::kFloat, true},
                                            Case{1, 130, 1, 128, 128, at::kBFloat16, true},
-                                           Case{1, 30, 2, 64, 48, at::kBFloat16, false}),
+                                           Case{1, 30, 2, 64, 48, at::kBFloat16, false},
+                                           Case{2, 70, 2, 64, 32, at::kFloat, true, true},
+                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return describe(info.param);
                          });

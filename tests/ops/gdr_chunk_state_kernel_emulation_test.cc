@@ -88,18 +88,21 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
     for (float& e : x) e = scale * normal(rng);
   };
   std::vector<float> base(BH * N * C * pitch_v), left(BH * N * C * pitch_k + 2),
-      right(BH * N * C * pitch_k), extra(BH * N * dk * dv), decay(BH * N), carry_in(BH * dk * dv);
+      right(BH * N * C * pitch_k), extra(BH * N * dk * dv), g_last(BH * N), carry_in(BH * dk * dv),
+      dot_with(BH * N * dk * dv);
   fill(base, 1.0f);
   fill(left, 0.05f);
   fill(right, 0.05f);
   fill(extra, 1.0f);
   fill(carry_in, 1.0f);
-  for (float& d : decay) d = std::exp(-std::fabs(normal(rng)));
+  fill(dot_with, 1.0f);
+  for (float& d : g_last) d = -std::fabs(normal(rng));
   std::vector<float> rows(BH * N * C * dv, NAN), carries(BH * N * dk * dv, NAN),
-      carry_final(BH * dk * dv, NAN);
+      carry_final(BH * dk * dv, NAN), dot_out(BH * N * chunk_state_dot_partials(dv), NAN);
 
-  // Forward configuration with an initial carry and no extra; backward configuration
-  // with an extra term and a zero initial carry: the two ways the op calls it.
+  // Forward configuration with an initial carry, no extra and no dot; backward
+  // configuration with an extra term, a zero initial carry and the dGlast dot partials:
+  // the two ways the op calls it.
   ChunkStateScanArgs args;
   args.batch_heads = BH;
   args.chunks = N;
@@ -112,11 +115,15 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
   args.left_sign = c.reverse ? 1.0f : -1.0f;
   args.right_sign = c.reverse ? -1.0f : 1.0f;
   args.extra = c.reverse ? extra.data() : nullptr;
-  args.decay = decay.data();
+  args.g_last = g_last.data();
   args.carry_in = c.reverse ? nullptr : carry_in.data();
   args.rows_out = rows.data();
   args.carries_out = carries.data();
   args.carry_final = carry_final.data();
+  if (c.reverse) {
+    args.dot_with = dot_with.data();
+    args.dot_out = dot_out.data();
+  }
   run_emulated(args);
 
   double max_err = 0.0;
@@ -134,7 +141,16 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
       const float* L = left.data() + 2 + (bh * N + n) * C * pitch_k;
       const float* Rt = right.data() + (bh * N + n) * C * pitch_k;
       const float* Bs = base.data() + (bh * N + n) * C * pitch_v;
+      const double decay = std::exp(double{g_last[bhn]});
       for (int e = 0; e < dk * dv; ++e) check(X[e], carries[bhn * dk * dv + e]);
+      if (args.dot_with) {
+        double dot = 0.0, partials = 0.0;
+        for (int e = 0; e < dk * dv; ++e) dot += double{dot_with[bhn * dk * dv + e]} * X[e];
+        const int64_t per = chunk_state_dot_partials(dv);
+        for (int64_t e = 0; e < per; ++e) partials += dot_out[bhn * per + e];
+        // A sum of dk * dv O(1) products: compare relative to its magnitude.
+        check(decay * dot / std::sqrt(double{dk} * dv), partials / std::sqrt(double{dk} * dv));
+      }
       std::vector<double> R(C * dv);
       for (int r = 0; r < C; ++r) {
         for (int j = 0; j < dv; ++j) {
@@ -150,7 +166,7 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
           double acc = 0.0;
           for (int r = 0; r < C; ++r) acc += double{Rt[r * pitch_k + i]} * R[r * dv + j];
           const double e = args.extra ? extra[bhn * dk * dv + i * dv + j] : 0.0;
-          next[i * dv + j] = decay[bhn] * X[i * dv + j] + e + args.right_sign * acc;
+          next[i * dv + j] = decay * X[i * dv + j] + e + args.right_sign * acc;
         }
       }
       X = next;

@@ -278,6 +278,8 @@ TEST_F(GdrCoreImplSwitch, TheOpWiredIntoTheCoreMatchesTheCompositeStepWithGradie
     auto [o, s] = gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
                                            0.4, leaves[5], true, 8);
     EXPECT_EQ(gdr_core_last_step7(), through_op ? GdrCoreImpl::kKernel : GdrCoreImpl::kComposite);
+    // The op path hands o over contiguous (Note [Chunk output layout] in ops/gdr_core.cc).
+    if (through_op) EXPECT_TRUE(o.is_contiguous());
     std::vector<at::Tensor> out = {o.detach(), s.detach()};
     for (const at::Tensor& g : torch::autograd::grad({(o * w_o).sum() + (s * w_s).sum()}, leaves))
       out.push_back(g);
