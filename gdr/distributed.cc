@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <deque>
 #include <mutex>
 #include <new>
 
@@ -266,7 +267,8 @@ std::vector<at::Tensor> PairwiseSum::finish() {
 
 absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors,
                                           const std::vector<double>& extra,
-                                          std::vector<std::vector<double>>* gathered_extra) {
+                                          std::vector<std::vector<double>>* gathered_extra,
+                                          int64_t bucket_elements) {
   const int world = env_.world_size;
   try {
     at::NoGradGuard no_grad;
@@ -291,13 +293,37 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       }
     }
     // Buckets: consecutive tensors in the given order, closed before one would overflow
-    // kBucketElements (a tensor larger than that is a bucket of its own).
+    // bucket_elements (a tensor larger than that is a bucket of its own). Up to
+    // kBucketsInFlight all-gathers are queued before the oldest is waited for, so the
+    // transfers run back to back while earlier buckets are summed; the sums themselves
+    // are the same tree in the same order, so this changes no bits.
+    struct InFlight {
+      size_t begin = 0, end = 0;
+      at::Tensor input;                  // kept alive until the collective is done
+      std::vector<at::Tensor> gathered;  // one copy per rank
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    std::deque<InFlight> in_flight;
+    auto finish_oldest = [&] {
+      InFlight bucket = std::move(in_flight.front());
+      in_flight.pop_front();
+      bucket.work->wait();
+      PairwiseSum tree;
+      for (int r = 0; r < world; ++r) tree.add({bucket.gathered[r]});
+      const at::Tensor sum = tree.finish()[0];
+      int64_t offset = 0;
+      for (size_t i = bucket.begin; i < bucket.end; ++i) {
+        const int64_t n = tensors[i].numel();
+        tensors[i].copy_(sum.narrow(0, offset, n).view(tensors[i].sizes()));
+        offset += n;
+      }
+    };
     size_t begin = 0;
     while (begin < tensors.size()) {
       size_t end = begin;
       int64_t elements = 0;
       while (end < tensors.size() &&
-             (end == begin || elements + tensors[end].numel() <= kBucketElements)) {
+             (end == begin || elements + tensors[end].numel() <= bucket_elements)) {
         elements += tensors[end].numel();
         ++end;
       }
@@ -310,18 +336,20 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
             tensors[i].device());
         flat.push_back(tensors[i].reshape({-1}));
       }
-      std::vector<at::Tensor> got = allgather(at::cat(flat));
-      PairwiseSum tree;
-      for (int r = 0; r < world; ++r) tree.add({got[r]});
-      const at::Tensor sum = tree.finish()[0];
-      int64_t offset = 0;
-      for (size_t i = begin; i < end; ++i) {
-        const int64_t n = tensors[i].numel();
-        tensors[i].copy_(sum.narrow(0, offset, n).view(tensors[i].sizes()));
-        offset += n;
-      }
+      InFlight bucket;
+      bucket.begin = begin;
+      bucket.end = end;
+      bucket.input = at::cat(flat);
+      std::vector<at::Tensor> inputs{bucket.input};
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int r = 0; r < world; ++r) outputs[0].push_back(at::empty_like(bucket.input));
+      bucket.work = impl_->backend->allgather(outputs, inputs);
+      bucket.gathered = std::move(outputs[0]);
+      in_flight.push_back(std::move(bucket));
+      if (static_cast<int>(in_flight.size()) >= kBucketsInFlight) finish_oldest();
       begin = end;
     }
+    while (!in_flight.empty()) finish_oldest();
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("rank ", env_.rank, " of ", world,

@@ -151,6 +151,31 @@ TEST(ProcessGroupTest, AllReduceSumsByTheTreeAndGathersExtras) {
   }
 }
 
+// Many small buckets (more than ProcessGroup::kBucketsInFlight queued at once): every
+// tensor is the rank-order tree sum, whatever bucket it fell in.
+TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
+  constexpr int kTensors = 40;
+  std::vector<std::vector<at::Tensor>> results(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    std::vector<at::Tensor> grads;
+    for (int i = 0; i < kTensors; ++i) {
+      // Sizes 1..5 so buckets of 6 elements hold one or several tensors.
+      grads.push_back(at::arange(1 + i % 5, at::kFloat).mul(0.1f * (i + 1)).add(r * 1000.0f));
+    }
+    absl::Status s = group.all_reduce_sum(grads, {}, nullptr, /*bucket_elements=*/6);
+    ASSERT_TRUE(s.ok()) << s;
+    results[r] = grads;
+  });
+  ASSERT_EQ(results[0].size(), static_cast<size_t>(kTensors));
+  for (int i = 0; i < kTensors; ++i) {
+    const at::Tensor base = at::arange(1 + i % 5, at::kFloat).mul(0.1f * (i + 1));
+    const at::Tensor want = base.add(0.0f) + base.add(1000.0f);  // rank 0 + rank 1
+    EXPECT_TRUE(at::equal(results[0][i], want)) << i;
+    EXPECT_TRUE(at::equal(results[1][i], want)) << i;
+  }
+}
+
 TEST(ProcessGroupTest, DifferentValuesAreRefusedOnEveryRank) {
   std::vector<absl::Status> same(2), differ(2);
   on_two_ranks([&](ProcessGroup& group) {
