@@ -245,7 +245,7 @@ void PairwiseSum::add(std::vector<at::Tensor> leaf) {
     auto newer = std::move(stack_.back());
     stack_.pop_back();
     auto& older = stack_.back();
-    for (size_t i = 0; i < older.second.size(); ++i) older.second[i].add_(newer.second[i]);
+    at::_foreach_add_(older.second, newer.second);
     older.first += newer.first;
   }
 }
@@ -256,7 +256,7 @@ std::vector<at::Tensor> PairwiseSum::finish() {
     auto newer = std::move(stack_.back());
     stack_.pop_back();
     auto& older = stack_.back();
-    for (size_t i = 0; i < older.second.size(); ++i) older.second[i].add_(newer.second[i]);
+    at::_foreach_add_(older.second, newer.second);
     older.first += newer.first;
   }
   std::vector<at::Tensor> out;

@@ -103,7 +103,8 @@ class ProcessGroup {
 // Note [Gradient reduction tree]: leaves are pushed in order; whenever the two newest
 // partial sums cover equally many leaves they are merged (older += newer), as in a binary
 // counter; finish() merges what is left, newest into older. For 2^j leaves this is the
-// complete binary tree. add() takes ownership of the tensors and adds into them in place.
+// complete binary tree. add() takes ownership of the tensors and adds into them in place
+// (one multi-tensor add per merge: elementwise, so the same bits as one add per tensor).
 class PairwiseSum {
  public:
   void add(std::vector<at::Tensor> leaf);

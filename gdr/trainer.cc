@@ -300,12 +300,8 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   if (nonfinite.empty() && clip > 0) {
     // One scale factor computed on the host: the same bits however the grads are laid out.
     const double coef = clip / (stats.grad_norm + 1e-6);
-    if (coef < 1.0) {
-      for (at::Tensor& p : m.masters) p.mutable_grad().mul_(coef);
-    }
+    if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
   }
-  m.last_grads.clear();
-  for (const at::Tensor& p : m.masters) m.last_grads.push_back(p.grad().detach().clone());
   m.last_losses = stats.microbatch_losses;
 
   if (nonfinite.empty()) {
@@ -315,11 +311,14 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     m.optimizer->step();
     if (m.mixed()) {
       at::NoGradGuard no_grad;
-      for (size_t i = 0; i < m.params.size(); ++i) m.params[i].copy_(m.masters[i]);
+      at::_foreach_copy_(m.params, m.masters);
     }
   } else {
     stats.skipped = true;
   }
+  // The gradients the optimizer consumed, kept for write_snapshot (the optimizer reads them
+  // and does not write them, so no copy is needed).
+  m.last_grads = std::move(grads);
   for (at::Tensor& p : m.params) p.mutable_grad().reset();
   for (at::Tensor& p : m.masters) p.mutable_grad().reset();
   m.step = stats.step;

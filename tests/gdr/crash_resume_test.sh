@@ -29,7 +29,13 @@ for delay in 0.7 1.1 1.6 2.2 4.0; do
   "$TRAIN" --config="$CONFIG" --set=train.steps=200 --set=train.checkpoint_dir="$dir/ckpt2" \
     --set=train.checkpoint_every=1000 --resume="$dir/ckpt" > "$dir.resume.log" 2>&1 &
   rpid=$!
-  sleep 1
+  # Wait for the resume line (not a fixed sleep: on a loaded machine start-up can take
+  # seconds), then stop the run.
+  for _ in $(seq 600); do
+    grep -q "^resumed from" "$dir.resume.log" 2>/dev/null && break
+    kill -0 "$rpid" 2>/dev/null || break
+    sleep 0.1
+  done
   kill -9 "$rpid" 2>/dev/null
   wait "$rpid" 2>/dev/null
   grep -q "^resumed from .* at step [0-9]" "$dir.resume.log" ||
