@@ -131,6 +131,12 @@ const std::vector<Field>& run_fields() {
       int_field("data", "seq_len", [](RunConfig& c) -> int64_t& { return c.data.seq_len; }),
       int_field("data", "micro_batch_size",
                 [](RunConfig& c) -> int64_t& { return c.data.micro_batch_size; }),
+      choice_field(
+          "optimizer", "impl", {"fused", "loop"},
+          [](RunConfig& c, size_t i) {
+            c.optimizer.impl = i == 0 ? OptimizerImpl::kFused : OptimizerImpl::kLoop;
+          },
+          [](const RunConfig& c) -> size_t { return c.optimizer.impl == OptimizerImpl::kLoop; }),
       double_field("optimizer", "lr", [](RunConfig& c) -> double& { return c.optimizer.lr; }),
       {"optimizer", "betas",
        [](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {

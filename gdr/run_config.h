@@ -7,7 +7,8 @@
 //               path: text file for `embedded` (default data/corpus.txt, byte tokens 0..255)
 //               prefix: Megatron .bin/.idx prefix for `indexed`
 //               seq_len, micro_batch_size
-//   optimizer:  lr, betas: [b1, b2], eps, weight_decay, grad_clip (<= 0: no clipping)
+//   optimizer:  impl: fused | loop (AdamW update, see OptimizerImpl), lr, betas: [b1, b2],
+//               eps, weight_decay, grad_clip (<= 0: no clipping)
 //   schedule:   warmup_steps, total_steps (0: = train.steps), min_lr_ratio (cosine floor)
 //   train:      steps, grad_accum (microbatches per optimizer step), seed, dtype: fp32 | bf16,
 //               device: cpu | cuda, log_every, metrics_path (JSON lines, "" = none),
@@ -50,7 +51,15 @@ struct DataConfig {
   int64_t micro_batch_size = 4;
 };
 
+// How the AdamW update runs: kFused is ATen's multi-tensor _fused_adamw_ (a few launches
+// for all parameters; what torch.optim.AdamW(fused=True) runs), kLoop is libtorch's
+// torch::optim::AdamW::step() (several ATen ops per parameter). Same formula, same state
+// (exp_avg, exp_avg_sq, step in torch::optim's state map, so checkpoints are the same
+// format); the two differ in FP32 rounding, so compare runs with the same setting.
+enum class OptimizerImpl { kFused, kLoop };
+
 struct OptimizerConfig {
+  OptimizerImpl impl = OptimizerImpl::kFused;
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.95;

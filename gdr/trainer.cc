@@ -120,6 +120,10 @@ struct Trainer::Impl {
   std::vector<at::Tensor> params;   // the model's, in names order
   std::vector<at::Tensor> masters;  // FP32; the same tensors as params for fp32
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  // optimizer.impl: fused: one FP32 step counter per master on its device, as
+  // _fused_adamw_ wants them; built from the optimizer state when empty (first step, after
+  // a checkpoint load).
+  std::vector<at::Tensor> fused_steps;
   int64_t step = 0;
   // Kept from the last step for snapshots.
   std::vector<at::Tensor> last_grads;
@@ -135,6 +139,41 @@ struct Trainer::Impl {
     auto it = optimizer->state().find(master.unsafeGetTensorImpl());
     if (it == optimizer->state().end()) return nullptr;
     return static_cast<torch::optim::AdamWParamState*>(it->second.get());
+  }
+
+  // Note [Fused AdamW]: the AdamW update of every master through ATen's _fused_adamw_ (one
+  // multi-tensor kernel family instead of ~7 ATen ops per parameter: the step is host-bound
+  // and this is its optimizer part), on the state torch::optim::AdamW keeps, so snapshots,
+  // checkpoints and resume do not depend on the implementation. Elementwise, hence
+  // deterministic; the host keeps each state's integer step in step with the device counters.
+  void fused_adamw_step(double lr) {
+    const OptimizerConfig& o = config.optimizer;
+    std::vector<at::Tensor> ps, grads, avgs, sqs;
+    const bool build_steps = fused_steps.empty();
+    for (const at::Tensor& master : masters) {
+      torch::optim::AdamWParamState* st = adam_state(master);
+      if (st == nullptr) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->step(0);
+        fresh->exp_avg(at::zeros_like(master, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(master, at::MemoryFormat::Preserve));
+        st = fresh.get();
+        optimizer->state()[master.unsafeGetTensorImpl()] = std::move(fresh);
+      }
+      if (build_steps) {
+        fused_steps.push_back(
+            at::full({}, static_cast<double>(st->step()), master.options().dtype(at::kFloat)));
+      }
+      st->step(st->step() + 1);
+      ps.push_back(master);
+      grads.push_back(master.grad());
+      avgs.push_back(st->exp_avg());
+      sqs.push_back(st->exp_avg_sq());
+    }
+    at::NoGradGuard no_grad;
+    at::_foreach_add_(fused_steps, 1.0);  // the kernel reads the step it is taking
+    at::_fused_adamw_(ps, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, fused_steps, lr, o.beta1,
+                      o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
   }
 };
 
@@ -305,10 +344,14 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   m.last_losses = stats.microbatch_losses;
 
   if (nonfinite.empty()) {
-    for (auto& group : m.optimizer->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
+    if (m.config.optimizer.impl == OptimizerImpl::kFused) {
+      m.fused_adamw_step(stats.lr);
+    } else {
+      for (auto& group : m.optimizer->param_groups()) {
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
+      }
+      m.optimizer->step();
     }
-    m.optimizer->step();
     if (m.mixed()) {
       at::NoGradGuard no_grad;
       at::_foreach_copy_(m.params, m.masters);
@@ -428,6 +471,7 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
 
   at::NoGradGuard no_grad;
   m.optimizer->state().clear();
+  m.fused_steps.clear();  // rebuilt from the loaded steps
   for (size_t i = 0; i < m.names.size(); ++i) {
     m.masters[i].copy_(weights.at(m.names[i]));
     if (m.mixed()) m.params[i].copy_(m.masters[i]);

@@ -42,6 +42,7 @@ TEST(RunConfigTest, LoadsTheTinyTrainingConfig) {
   EXPECT_EQ(c->data.seq_len, 64);
   EXPECT_EQ(c->data.micro_batch_size, 4);
   EXPECT_DOUBLE_EQ(c->optimizer.lr, 3e-3);
+  EXPECT_EQ(c->optimizer.impl, OptimizerImpl::kFused);  // the default
   EXPECT_DOUBLE_EQ(c->optimizer.beta2, 0.95);
   EXPECT_EQ(c->train.grad_accum, 2);
   EXPECT_EQ(c->train.steps, 30);
@@ -126,6 +127,10 @@ INSTANTIATE_TEST_SUITE_P(
                   "train:\n  dtype: fp16\n",
                   {},
                   "$: train.dtype: expected one of fp32, bf16 but got 'fp16'"},
+        ErrorCase{"bad_optimizer_impl",
+                  "optimizer:\n  impl: adam\n",
+                  {},
+                  "$: optimizer.impl: expected one of fused, loop but got 'adam'"},
         ErrorCase{"bad_nonfinite",
                   "train:\n  on_nonfinite: ignore\n",
                   {},
