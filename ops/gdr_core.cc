@@ -139,6 +139,20 @@ std::optional<GdrCorePrep> g_prep_override;  // guarded by g_impl_mutex
 std::atomic<int> g_last_prep{static_cast<int>(GdrCorePrep::kAten)};
 std::atomic<bool> g_prep_op_on_cpu_for_testing{false};
 
+// Both switches resolve alike, at every call: the in-process override, then the
+// environment variable (empty = unset), then the default.
+template <typename Choice>
+Choice resolve_switch(const std::optional<Choice>& override_value, const char* env_name,
+                      Choice fallback, Choice (*parse)(const std::string&, const std::string&)) {
+  {
+    std::lock_guard<std::mutex> lock(g_impl_mutex);
+    if (override_value.has_value()) return *override_value;
+  }
+  const char* env = std::getenv(env_name);
+  if (env == nullptr || env[0] == '\0') return fallback;
+  return parse(env, env_name);
+}
+
 // Steps 1-6 by the chunk_prep op: only where its CUDA kernels apply (see the header), or
 // on CPU (its reference implementation, any dtype, shape and chunk size) when a test
 // asked for it.
@@ -195,13 +209,8 @@ void set_gdr_core_impl(std::optional<GdrCoreImpl> impl) {
 }
 
 GdrCoreImpl gdr_core_impl() {
-  {
-    std::lock_guard<std::mutex> lock(g_impl_mutex);
-    if (g_impl_override.has_value()) return *g_impl_override;
-  }
-  const char* env = std::getenv("GDR_CORE_IMPL");
-  if (env == nullptr || env[0] == '\0') return GdrCoreImpl::kKernel;
-  return parse_gdr_core_impl(env, "GDR_CORE_IMPL");
+  return resolve_switch(g_impl_override, "GDR_CORE_IMPL", GdrCoreImpl::kKernel,
+                        parse_gdr_core_impl);
 }
 
 GdrCoreImpl gdr_core_last_step7() { return static_cast<GdrCoreImpl>(g_last_step7.load()); }
@@ -222,13 +231,8 @@ void set_gdr_core_prep(std::optional<GdrCorePrep> prep) {
 }
 
 GdrCorePrep gdr_core_prep() {
-  {
-    std::lock_guard<std::mutex> lock(g_impl_mutex);
-    if (g_prep_override.has_value()) return *g_prep_override;
-  }
-  const char* env = std::getenv("GDR_CORE_PREP");
-  if (env == nullptr || env[0] == '\0') return GdrCorePrep::kKernel;
-  return parse_gdr_core_prep(env, "GDR_CORE_PREP");
+  return resolve_switch(g_prep_override, "GDR_CORE_PREP", GdrCorePrep::kKernel,
+                        parse_gdr_core_prep);
 }
 
 GdrCorePrep gdr_core_last_prep() { return static_cast<GdrCorePrep>(g_last_prep.load()); }
