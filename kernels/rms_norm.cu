@@ -63,9 +63,8 @@ __global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32)
 }
 
 template <typename TW>
-__global__ void __launch_bounds__(kRmsNormReduceCols * kRmsNormReduceSlices)
-    rms_norm_reduce_partials_kernel(const float* partials, int64_t programs, int64_t cols,
-                                    TW* dw) {
+__global__ void __launch_bounds__(kRmsNormReduceCols* kRmsNormReduceSlices)
+    rms_norm_reduce_partials_kernel(const float* partials, int64_t programs, int64_t cols, TW* dw) {
   __shared__ float slice_sums[kRmsNormReduceSlices * kRmsNormReduceCols];
   reduce_partials_block<TW>(partials, programs, cols, dw, slice_sums);
 }

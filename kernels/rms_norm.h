@@ -52,11 +52,11 @@ struct RmsNormForwardArgs {
   NormDtype dtype = NormDtype::kFloat32;  // x, z, y
   bool weight_fp32 = false;               // weight in FP32, else in `dtype`
   RmsNormShape shape;
-  RowOperand x, z;                 // z: gated only
-  const void* weight = nullptr;    // [cols], contiguous
+  RowOperand x, z;               // z: gated only
+  const void* weight = nullptr;  // [cols], contiguous
   float eps = 0.0f;
-  void* y = nullptr;               // [rows, cols] contiguous, `dtype`
-  float* rstd = nullptr;           // [rows]; may be null (no backward will follow)
+  void* y = nullptr;      // [rows, cols] contiguous, `dtype`
+  float* rstd = nullptr;  // [rows]; may be null (no backward will follow)
 };
 
 struct RmsNormBackwardArgs {

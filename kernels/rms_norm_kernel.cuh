@@ -109,8 +109,8 @@ __device__ __forceinline__ int64_t acc_index(int64_t c, int64_t cols) {
 template <typename T, typename TW, int VEC, bool kGated>
 __device__ __forceinline__ void forward_row(const RmsNormForwardArgs& a) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t row =
-      static_cast<int64_t>(blockIdx.x) * kRmsNormForwardWarps + static_cast<int64_t>(threadIdx.x / 32);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRmsNormForwardWarps +
+                      static_cast<int64_t>(threadIdx.x / 32);
   if (row >= a.shape.rows) return;  // whole warps leave together; no block barrier follows
   const int64_t cols = a.shape.cols;
   const T* x = static_cast<const T*>(a.x.data) + row_offset(a.shape, a.x, row);
