@@ -18,6 +18,7 @@
 #include "ops/gdr_core.h"
 #include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
+#include "ops/rms_norm.h"
 
 namespace gdr {
 namespace {
@@ -36,21 +37,26 @@ void check_activation(const char* module, const at::Tensor& x, int64_t hidden) {
 
 }  // namespace
 
+// Both norms take the fused op (ops/rms_norm.h) for CUDA FP32/FP16/BF16 inputs unless
+// GDR_RMS_NORM=composite (read at every call; a bad value is an error on every device);
+// the CPU and FP64 keep the composition, so their numerics do not change.
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * (xf.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
-  return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  const bool fused = rms_norm_impl() == RmsNormImpl::kFused;
+  if (fused && rms_norm_fused_supports(x) && weight.scalar_type() != at::kDouble)
+    return zero_centered_rms_norm_fused(x, weight, eps);
+  return zero_centered_rms_norm_composite(x, weight, eps);
 }
 
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
                           double eps, at::ScalarType out_dtype) {
   TORCH_CHECK(o.sizes() == z.sizes(), "gated_rms_norm: expected z of shape ", o.sizes(),
               " (same as o) but got ", z.sizes());
-  // FP64 inputs stay FP64 so finite-difference tests can be tight; otherwise FP32.
-  const at::ScalarType ct = o.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor of = o.to(ct);
-  const at::Tensor normed = of * (of.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
-  return (normed * weight.to(ct) * at::silu(z.to(ct))).to(out_dtype);
+  const bool fused = rms_norm_impl() == RmsNormImpl::kFused;
+  if (fused && rms_norm_fused_supports(o) && z.scalar_type() != at::kDouble &&
+      weight.scalar_type() != at::kDouble && out_dtype != at::kDouble) {
+    return gated_rms_norm_fused(o, z, weight, eps, out_dtype);
+  }
+  return gated_rms_norm_composite(o, z, weight, eps, out_dtype);
 }
 
 at::Tensor l2_normalize(const at::Tensor& x, double eps) {

@@ -22,12 +22,15 @@
 namespace gdr {
 
 // Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math,
-// result in x's dtype. The one reference of this formula (tests call it).
+// result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless GDR_RMS_NORM=composite;
+// otherwise the composition (ops/rms_norm.h: zero_centered_rms_norm_composite, the
+// reference).
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Gated RMSNorm of the GDN output, over the last dim:
 // (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math, result in `out_dtype`.
-// o, z: [..., dv]; weight: [dv].
+// o, z: [..., dv]; weight: [dv]. Dispatch as for zero_centered_rms_norm (reference:
+// gated_rms_norm_composite in ops/rms_norm.h).
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
                           double eps, at::ScalarType out_dtype);
 

@@ -1,0 +1,219 @@
+// CUDA kernels of the fused RMSNorm (forward, backward, ordered weight-gradient
+// reduction): thin __global__ wrappers around the bodies in kernels/rms_norm_kernel.cuh,
+// then the launchers. Contract in kernels/rms_norm.h.
+//
+// Why a second kernel for the weight gradient: dw sums over every token. Atomics would
+// make that one pass, but the order of the float additions would then follow block
+// scheduling and the bits would change from run to run. Instead every program writes one
+// FP32 partial row and a second kernel on the same stream sums the rows in program-index
+// order (Note [RMSNorm determinism] in the .cuh).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "kernels/rms_norm.h"
+
+namespace gdr::kernels::rms_norm_detail {
+
+template <typename T>
+struct NormElement;
+
+template <>
+struct NormElement<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct NormElement<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
+    return __float2bfloat16_rn(v);
+  }
+};
+
+}  // namespace gdr::kernels::rms_norm_detail
+
+#include "kernels/rms_norm_kernel.cuh"
+
+namespace gdr::kernels {
+namespace {
+
+using rms_norm_detail::backward_program;
+using rms_norm_detail::forward_row;
+using rms_norm_detail::reduce_partials_block;
+
+// ----------------------------------------------------------------------------
+// CUDA kernels
+
+template <typename T, typename TW, int VEC, bool kGated>
+__global__ void __launch_bounds__(kRmsNormForwardWarps * 32)
+    rms_norm_forward_kernel(const RmsNormForwardArgs args) {
+  forward_row<T, TW, VEC, kGated>(args);
+}
+
+template <typename T, typename TW, int VEC, bool kGated>
+__global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32)
+    rms_norm_backward_kernel(const RmsNormBackwardArgs args, int64_t rows_per_program) {
+  extern __shared__ float column_sums[];  // [warps][cols]
+  backward_program<T, TW, VEC, kGated>(args, rows_per_program, column_sums);
+}
+
+template <typename TW>
+__global__ void __launch_bounds__(kRmsNormReduceCols* kRmsNormReduceSlices)
+    rms_norm_reduce_partials_kernel(const float* partials, int64_t programs, int64_t cols, TW* dw) {
+  __shared__ float slice_sums[kRmsNormReduceSlices * kRmsNormReduceCols];
+  reduce_partials_block<TW>(partials, programs, cols, dw, slice_sums);
+}
+
+// ----------------------------------------------------------------------------
+// kernel launcher
+
+// 16-byte loads and stores need every row start 16-byte aligned and whole packs per row.
+// Strides of size-1 row dims are never used, so they do not count.
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool rows_aligned(const RmsNormShape& shape, const RowOperand& op, int64_t element_bytes) {
+  if (!aligned16(op.data)) return false;
+  for (int k = 0; k < shape.row_dims; ++k) {
+    if (shape.row_sizes[k] > 1 && (op.row_strides[k] * element_bytes) % 16 != 0) return false;
+  }
+  return true;
+}
+
+template <typename T>
+bool can_vectorize(const RmsNormShape& shape, std::initializer_list<const RowOperand*> inputs,
+                   std::initializer_list<const void*> outputs) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (shape.cols % kVec != 0) return false;
+  for (const RowOperand* op : inputs) {
+    if (!rows_aligned(shape, *op, sizeof(T))) return false;
+  }
+  for (const void* p : outputs) {
+    if (!aligned16(p)) return false;
+  }
+  return true;
+}
+
+template <typename T, typename TW, int VEC>
+void forward_typed(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t stream) {
+  constexpr int kThreads = kRmsNormForwardWarps * 32;
+  if (args.flavour == RmsNormFlavour::kGated) {
+    rms_norm_forward_kernel<T, TW, VEC, true><<<grid, kThreads, 0, stream>>>(args);
+  } else {
+    rms_norm_forward_kernel<T, TW, VEC, false><<<grid, kThreads, 0, stream>>>(args);
+  }
+}
+
+template <typename T, typename TW>
+int launch_forward(const RmsNormForwardArgs& args, cudaStream_t stream) {
+  const int64_t blocks = (args.shape.rows + kRmsNormForwardWarps - 1) / kRmsNormForwardWarps;
+  if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  const dim3 grid(static_cast<unsigned int>(blocks));
+  const bool gated = args.flavour == RmsNormFlavour::kGated;
+  const RowOperand none;
+  if (can_vectorize<T>(args.shape, {&args.x, gated ? &args.z : &none}, {args.y})) {
+    forward_typed<T, TW, 16 / sizeof(T)>(args, grid, stream);
+  } else {
+    forward_typed<T, TW, 1>(args, grid, stream);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, typename TW, int VEC>
+void backward_typed(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
+                    cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned int>(launch.programs));
+  const int threads = launch.warps * 32;
+  const size_t shared = static_cast<size_t>(launch.shared_bytes);
+  if (args.flavour == RmsNormFlavour::kGated) {
+    rms_norm_backward_kernel<T, TW, VEC, true>
+        <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
+  } else {
+    rms_norm_backward_kernel<T, TW, VEC, false>
+        <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
+  }
+}
+
+template <typename T, typename TW>
+int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
+  const RmsNormBackwardLaunch launch =
+      derive_rms_norm_backward_launch(args.shape.rows, args.shape.cols);
+  if (launch.programs > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  const bool gated = args.flavour == RmsNormFlavour::kGated;
+  const RowOperand none;
+  if (can_vectorize<T>(args.shape, {&args.x, &args.grad_y, gated ? &args.z : &none},
+                       {args.dx, gated ? args.dz : nullptr})) {
+    backward_typed<T, TW, 16 / sizeof(T)>(args, launch, stream);
+  } else {
+    backward_typed<T, TW, 1>(args, launch, stream);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int launch_rms_norm_forward(const RmsNormForwardArgs& args, CUstream_st* stream) {
+  if (!rms_norm_supports_cols(args.shape.cols) || args.shape.rows < 0 || args.shape.row_dims < 1 ||
+      args.shape.row_dims > kRmsNormMaxRowDims) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (args.shape.rows == 0) return static_cast<int>(cudaSuccess);
+  switch (args.dtype) {
+    // The weight is in the activation dtype or FP32: for FP32 activations both are float.
+    case NormDtype::kFloat32: return launch_forward<float, float>(args, stream);
+    case NormDtype::kFloat16:
+      return args.weight_fp32 ? launch_forward<__half, float>(args, stream)
+                              : launch_forward<__half, __half>(args, stream);
+    case NormDtype::kBFloat16:
+      return args.weight_fp32 ? launch_forward<__nv_bfloat16, float>(args, stream)
+                              : launch_forward<__nv_bfloat16, __nv_bfloat16>(args, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int launch_rms_norm_backward(const RmsNormBackwardArgs& args, CUstream_st* stream) {
+  if (!rms_norm_supports_cols(args.shape.cols) || args.shape.rows < 0 || args.shape.row_dims < 1 ||
+      args.shape.row_dims > kRmsNormMaxRowDims) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (args.shape.rows == 0) return static_cast<int>(cudaSuccess);
+  switch (args.dtype) {
+    case NormDtype::kFloat32: return launch_backward<float, float>(args, stream);
+    case NormDtype::kFloat16:
+      return args.weight_fp32 ? launch_backward<__half, float>(args, stream)
+                              : launch_backward<__half, __half>(args, stream);
+    case NormDtype::kBFloat16:
+      return args.weight_fp32 ? launch_backward<__nv_bfloat16, float>(args, stream)
+                              : launch_backward<__nv_bfloat16, __nv_bfloat16>(args, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int launch_rms_norm_reduce_partials(const float* partials, int64_t programs, int64_t cols,
+                                    NormDtype weight_dtype, void* dw, CUstream_st* stream) {
+  if (!rms_norm_supports_cols(cols) || programs < 0) return static_cast<int>(cudaErrorInvalidValue);
+  const dim3 grid(static_cast<unsigned int>((cols + kRmsNormReduceCols - 1) / kRmsNormReduceCols));
+  constexpr int kThreads = kRmsNormReduceCols * kRmsNormReduceSlices;
+  switch (weight_dtype) {
+    case NormDtype::kFloat32:
+      rms_norm_reduce_partials_kernel<float>
+          <<<grid, kThreads, 0, stream>>>(partials, programs, cols, static_cast<float*>(dw));
+      break;
+    case NormDtype::kFloat16:
+      rms_norm_reduce_partials_kernel<__half>
+          <<<grid, kThreads, 0, stream>>>(partials, programs, cols, static_cast<__half*>(dw));
+      break;
+    case NormDtype::kBFloat16:
+      rms_norm_reduce_partials_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+          partials, programs, cols, static_cast<__nv_bfloat16*>(dw));
+      break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace gdr::kernels

@@ -1,0 +1,204 @@
+// GPU tests of the fused RMSNorm (tag gpu): agreement with the libtorch compositions for
+// outputs and gradients (FP32 tight, BF16/FP16 within stated tolerances), tails and odd
+// row sizes, non-contiguous inputs, mixed dtypes, bit-exact replay of the backward under
+// contention, and the model's GDR_RMS_NORM switch.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "models/qwen/layers.h"
+#include "ops/rms_norm.h"
+#include "tests/ops/gpu_contention.h"
+
+namespace gdr {
+namespace {
+
+struct Inputs {
+  at::Tensor x, z, w, g;
+};
+
+using Outputs = std::vector<at::Tensor>;  // y, dx, dz (gated), dw
+
+Outputs run(bool gated, bool fused, const Inputs& in, at::ScalarType out_dtype) {
+  at::Tensor x = in.x.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
+  at::Tensor z = gated ? in.z.detach().requires_grad_(true) : at::Tensor();
+  if (gated) {
+    const at::Tensor y = fused ? gated_rms_norm_fused(x, z, w, 1e-6, out_dtype)
+                               : gated_rms_norm_composite(x, z, w, 1e-6, out_dtype);
+    auto grads = torch::autograd::grad({y}, {x, z, w}, {in.g.to(out_dtype)});
+    return {y.detach(), grads[0], grads[1], grads[2]};
+  }
+  const at::Tensor y = fused ? zero_centered_rms_norm_fused(x, w, 1e-6)
+                             : zero_centered_rms_norm_composite(x, w, 1e-6);
+  auto grads = torch::autograd::grad({y}, {x, w}, {in.g.to(y.scalar_type())});
+  return {y.detach(), grads[0], at::Tensor(), grads[1]};
+}
+
+Inputs make_inputs(at::IntArrayRef shape, at::ScalarType dt, at::ScalarType wt, bool gated,
+                   uint64_t seed) {
+  at::manual_seed(seed);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  Inputs in;
+  in.x = (at::randn(shape, cuda) * 2).to(dt);
+  in.z = (at::randn(shape, cuda) * 2).to(dt);
+  in.w = (at::randn({shape.back()}, cuda) * 0.5 + (gated ? 1.0 : 0.0)).to(wt);
+  in.g = at::randn(shape, cuda).to(dt);
+  return in;
+}
+
+// Max |fused - composite| relative to max |composite| (1 for an all-zero reference).
+double relative_error(const at::Tensor& fused, const at::Tensor& ref) {
+  const at::Tensor f = fused.to(at::kDouble), r = ref.to(at::kDouble);
+  const double scale = std::max(r.abs().max().item<double>(), 1e-30);
+  return (f - r).abs().max().item<double>() / scale;
+}
+
+void expect_close(const Outputs& fused, const Outputs& ref, double tol_y, double tol_grad,
+                  const std::string& context) {
+  const char* names[] = {"y", "dx", "dz", "dw"};
+  for (size_t i = 0; i < fused.size(); ++i) {
+    if (!ref[i].defined()) continue;
+    ASSERT_EQ(fused[i].scalar_type(), ref[i].scalar_type()) << context << " " << names[i];
+    ASSERT_EQ(fused[i].sizes(), ref[i].sizes()) << context << " " << names[i];
+    EXPECT_LE(relative_error(fused[i], ref[i]), i == 0 ? tol_y : tol_grad)
+        << context << " " << names[i];
+  }
+}
+
+struct Case {
+  bool gated;
+  int64_t rows, D;
+};
+
+class RmsNormGpu : public ::testing::TestWithParam<Case> {};
+
+// FP32: both sides compute in FP32 with different summation orders (tight). BF16/FP16:
+// each side rounds its outputs once to 8 (11) mantissa bits, so they may differ by one
+// unit in the last place of the largest value: 2^-7 (2^-10) relative, plus FP32 noise.
+TEST_P(RmsNormGpu, FusedMatchesTheCompositionForOutputsAndGradients) {
+  const Case c = GetParam();
+  struct Dtypes {
+    at::ScalarType act, weight;
+    double tol_y, tol_grad;
+  };
+  for (const Dtypes d : {Dtypes{at::kFloat, at::kFloat, 1e-5, 1e-4},
+                         Dtypes{at::kBFloat16, at::kBFloat16, 1.6e-2, 1.6e-2},
+                         Dtypes{at::kBFloat16, at::kFloat, 1.6e-2, 1.6e-2},
+                         Dtypes{at::kHalf, at::kHalf, 2e-3, 2e-3}}) {
+    const Inputs in = make_inputs({c.rows, c.D}, d.act, d.weight, c.gated, c.rows + c.D);
+    const std::string context = std::string(c10::toString(d.act)) + "/" + c10::toString(d.weight);
+    expect_close(run(c.gated, true, in, d.act), run(c.gated, false, in, d.act), d.tol_y, d.tol_grad,
+                 context);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormGpu,
+                         ::testing::Values(Case{false, 4099, 1024}, Case{false, 8190, 256},
+                                           Case{false, 37, 100}, Case{false, 300, 1000},
+                                           Case{true, 4097, 128}, Case{true, 5, 100},
+                                           Case{true, 1000, 1000}, Case{false, 1, 128},
+                                           Case{true, 70000, 128}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(info.param.gated ? "gated" : "zero_centred") + "_" +
+                                  std::to_string(info.param.rows) + "x" +
+                                  std::to_string(info.param.D);
+                         });
+
+TEST(RmsNormGpuLayouts, NonContiguousInputsMatchTheComposition) {
+  // q_norm's input: a narrow() of the [B, T, H, 2 * hd] projection (row stride 2 * hd).
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  at::manual_seed(11);
+  const at::Tensor wide = at::randn({2, 33, 8, 512}, cuda).to(at::kBFloat16);
+  Inputs in;
+  in.x = wide.narrow(-1, 0, 256);
+  in.w = (at::randn({256}, cuda) * 0.5).to(at::kBFloat16);
+  in.g = at::randn({2, 8, 33, 256}, cuda).to(at::kBFloat16).transpose(1, 2);  // strided grad
+  expect_close(run(false, true, in, at::kBFloat16), run(false, false, in, at::kBFloat16), 1.6e-2,
+               1.6e-2, "narrow BF16");
+  // Gated with transposed leading dims and an odd row (scalar path), FP32.
+  Inputs gin;
+  gin.x = at::randn({3, 9, 5, 100}, cuda).transpose(1, 2);
+  gin.z = at::randn({3, 9, 5, 100}, cuda).transpose(1, 2);
+  gin.w = at::randn({100}, cuda);
+  gin.g = at::randn({3, 5, 9, 100}, cuda);
+  expect_close(run(true, true, gin, at::kFloat), run(true, false, gin, at::kFloat), 1e-5, 1e-4,
+               "transposed FP32");
+  // Five leading dims (flattened by the op) and a 1-D input.
+  Inputs fin = make_inputs({2, 2, 3, 2, 2, 64}, at::kFloat, at::kFloat, false, 5);
+  expect_close(run(false, true, fin, at::kFloat), run(false, false, fin, at::kFloat), 1e-5, 1e-4,
+               "6-D");
+  Inputs one = make_inputs({64}, at::kFloat, at::kFloat, false, 6);
+  expect_close(run(false, true, one, at::kFloat), run(false, false, one, at::kFloat), 1e-5, 1e-4,
+               "1-D");
+}
+
+TEST(RmsNormGpuLayouts, MixedDtypesOfTheGdnNormMatchTheComposition) {
+  // o in FP32 (a core output), z and the result in BF16, weight FP32.
+  Inputs in = make_inputs({2, 40, 16, 128}, at::kFloat, at::kFloat, true, 9);
+  in.z = in.z.to(at::kBFloat16);
+  expect_close(run(true, true, in, at::kBFloat16), run(true, false, in, at::kBFloat16), 1.6e-2,
+               1e-4, "o FP32, z BF16");
+}
+
+TEST(RmsNormGpuLayouts, ZeroRowsGiveEmptyOutputsAndZeroWeightGradient) {
+  const Inputs in = make_inputs({0, 256}, at::kBFloat16, at::kBFloat16, false, 1);
+  const Outputs out = run(false, true, in, at::kBFloat16);
+  EXPECT_EQ(out[0].sizes(), in.x.sizes());
+  EXPECT_EQ(out[3].to(at::kFloat).abs().max().item<float>(), 0.0f);
+}
+
+bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
+  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
+  return at::equal(x.contiguous().view(at::kByte), y.contiguous().view(at::kByte));
+}
+
+// Note [RMSNorm determinism]: 100 backward replays under load on other streams, bit for
+// bit, at the model's shapes (hidden 1024 over 8192 tokens; GDN norm over dv = 128).
+TEST(RmsNormGpuReplay, BackwardIsBitwiseReproducibleUnderContention) {
+  const Inputs zc = make_inputs({8192, 1024}, at::kBFloat16, at::kBFloat16, false, 21);
+  const Inputs gated = make_inputs({1, 4096, 16, 128}, at::kBFloat16, at::kBFloat16, true, 22);
+  auto [zy, zrstd] = zero_centered_rms_norm_forward(zc.x, zc.w, 1e-6);
+  auto [gy, grstd] = gated_rms_norm_forward(gated.x, gated.z, gated.w, 1e-6, at::kBFloat16);
+  auto [dx0, dw0] = zero_centered_rms_norm_backward(zc.g, zc.x, zc.w, zrstd);
+  auto [do0, dz0, gdw0] = gated_rms_norm_backward(gated.g, gated.x, gated.z, gated.w, grstd);
+  test_support::GpuContention contention;
+  for (int rep = 0; rep < 100; ++rep) {
+    auto [dx, dw] = zero_centered_rms_norm_backward(zc.g, zc.x, zc.w, zrstd);
+    auto [d_o, dz, gdw] = gated_rms_norm_backward(gated.g, gated.x, gated.z, gated.w, grstd);
+    ASSERT_TRUE(bitwise_equal(dx, dx0)) << "zero-centred dx, replay " << rep;
+    ASSERT_TRUE(bitwise_equal(dw, dw0)) << "zero-centred dw, replay " << rep;
+    ASSERT_TRUE(bitwise_equal(d_o, do0)) << "gated do, replay " << rep;
+    ASSERT_TRUE(bitwise_equal(dz, dz0)) << "gated dz, replay " << rep;
+    ASSERT_TRUE(bitwise_equal(gdw, gdw0)) << "gated dw, replay " << rep;
+  }
+}
+
+TEST(RmsNormGpuSwitch, ModelNormsFollowGdrRmsNorm) {
+  const Inputs in = make_inputs({64, 1024}, at::kBFloat16, at::kBFloat16, true, 31);
+  unsetenv("GDR_RMS_NORM");
+  EXPECT_TRUE(bitwise_equal(zero_centered_rms_norm(in.x, in.w, 1e-6),
+                            zero_centered_rms_norm_fused(in.x, in.w, 1e-6)));
+  EXPECT_TRUE(bitwise_equal(gated_rms_norm(in.x, in.z, in.w, 1e-6, at::kBFloat16),
+                            gated_rms_norm_fused(in.x, in.z, in.w, 1e-6, at::kBFloat16)));
+  setenv("GDR_RMS_NORM", "composite", 1);
+  EXPECT_TRUE(bitwise_equal(zero_centered_rms_norm(in.x, in.w, 1e-6),
+                            zero_centered_rms_norm_composite(in.x, in.w, 1e-6)));
+  EXPECT_TRUE(bitwise_equal(gated_rms_norm(in.x, in.z, in.w, 1e-6, at::kBFloat16),
+                            gated_rms_norm_composite(in.x, in.z, in.w, 1e-6, at::kBFloat16)));
+  setenv("GDR_RMS_NORM", "bogus", 1);
+  EXPECT_THROW(zero_centered_rms_norm(in.x, in.w, 1e-6), c10::Error);
+  unsetenv("GDR_RMS_NORM");
+  // FP64 keeps the composite whatever the switch says.
+  const at::Tensor xd = in.x.to(at::kDouble), zd = in.z.to(at::kDouble), wd = in.w.to(at::kDouble);
+  EXPECT_TRUE(bitwise_equal(gated_rms_norm(xd, zd, wd, 1e-6, at::kDouble),
+                            gated_rms_norm_composite(xd, zd, wd, 1e-6, at::kDouble)));
+}
+
+}  // namespace
+}  // namespace gdr
