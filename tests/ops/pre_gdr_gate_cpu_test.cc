@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -134,8 +135,20 @@ TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
   EXPECT_LT((launch.programs_t - 1) * tile.block_t, shape.tokens());
   EXPECT_GE(launch.programs_h * tile.block_h, shape.heads);
   EXPECT_LT((launch.programs_h - 1) * tile.block_h, shape.heads);
-  EXPECT_EQ(launch.rows * tile.block_h, tile.threads);
-  EXPECT_EQ(launch.shared_bytes, 2 * launch.rows * tile.block_h * 4);
+  // Note [Gate head vectors]: vec heads per thread, a function of (Hv, tile) alone.
+  EXPECT_TRUE(launch.vec == 8 || launch.vec == 4 || launch.vec == 1) << launch.vec;
+  EXPECT_EQ(shape.heads % launch.vec, 0);
+  EXPECT_EQ(tile.block_h % launch.vec, 0);
+  EXPECT_EQ(launch.lanes * launch.vec, tile.block_h);
+  EXPECT_EQ(launch.rows, std::min(tile.threads / launch.lanes, tile.block_t));
+  EXPECT_EQ(launch.threads % 32, 0);
+  EXPECT_GE(launch.threads, launch.lanes * launch.rows);
+  EXPECT_LT(launch.threads, launch.lanes * launch.rows + 32);
+  EXPECT_LE(launch.threads, tile.threads);
+  const int64_t tree_floats = 2 * launch.vec * launch.rows * launch.lanes;
+  EXPECT_EQ(launch.shared_bytes,
+            4 * (2 * tile.block_h + std::max<int64_t>(tree_floats, launch.threads)));
+  EXPECT_LE(launch.shared_bytes, 48 * 1024) << "no opt-in for more shared memory";
   EXPECT_EQ(launch.scratch_floats, launch.programs_t * 2 * shape.heads);
 }
 
