@@ -89,7 +89,7 @@ __global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned
         atomicAdd(out + heads + h0 + j, total_dt_bias[j]);
       }
     } else {
-      gate_detail::gate_write_partial_row<V>(out, plan.heads, h0, total_A_log, total_dt_bias);
+      gate_detail::gate_write_partial_row<V>(out, plan, h0, total_A_log, total_dt_bias);
     }
   }
   if constexpr (kMode == GateReduction::kOrderedSinglePass) {
@@ -97,7 +97,7 @@ __global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-      const unsigned int programs = gridDim.x * gridDim.y;
+      const unsigned int programs = gridDim.x;
       is_last_program = atomicAdd(ticket, 1u) == programs - 1;
     }
     __syncthreads();
@@ -108,7 +108,7 @@ __global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned
     const int slot_row = threadIdx.x / 32;
     const int slot_rows = blockDim.x / 32;
     const int64_t slots = 2 * heads;
-    const int64_t programs_t = gridDim.x;
+    const int64_t programs_t = plan.launch.programs_t;
     float acc[kSinglePassMaxGroups];
 #pragma unroll
     for (int group = 0; group < kSinglePassMaxGroups; ++group) acc[group] = 0.0f;
@@ -192,8 +192,7 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
   if (args.shape.tokens() == 0 || args.shape.heads == 0) return cudaSuccess;
   const GateBackwardPlan plan = plan_gate_backward(args, tile);
   const GateBackwardLaunch& launch = plan.launch;
-  const dim3 grid(static_cast<unsigned>(launch.programs_t),
-                  static_cast<unsigned>(launch.programs_h));
+  const dim3 grid(static_cast<unsigned>(launch.num_programs()));
   const size_t shared = static_cast<size_t>(launch.shared_bytes);
   dispatch_input(plan.input_kind, [&](auto in_tag) {
     dispatch_vec(launch.vec, [&](auto vec_tag) {

@@ -60,8 +60,8 @@ std::string to_string(const GateTile& tile);
 // the rows are then combined by a fixed-shape tree. The summation order is therefore a
 // pure function of (shape, tile), whatever the layout of the operands.
 struct GateBackwardLaunch {
-  int64_t programs_t = 0;      // grid.x
-  int64_t programs_h = 0;      // grid.y
+  int64_t programs_t = 0;      // token-programs (partial rows)
+  int64_t programs_h = 0;      // head-programs; the grid is 1-D, programs_t * programs_h
   int vec = 1;                 // heads per thread (Note [Gate head vectors])
   int lanes = 0;               // head-vector lanes per program = block_h / vec
   int rows = 0;                // token rows per program = min(threads / lanes, block_t)

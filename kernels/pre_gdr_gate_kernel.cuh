@@ -311,8 +311,11 @@ __device__ __forceinline__ void gate_forward_block(const GateForwardPlan& p, flo
 }
 
 // ----------------------------------------------------------------------------
-// Backward: one program = block_t tokens x block_h heads (grid (programs_t, programs_h)),
-// laid out as in Note [Gate head vectors]. Thread (row, lane) keeps its 2 * V per-head
+// Backward: one program = block_t tokens x block_h heads, laid out as in Note [Gate head
+// vectors]. The grid is one-dimensional with the head-programs of a token range adjacent
+// (program p = token-program p / programs_h, head-program p % programs_h): programs that
+// read neighbouring 32-byte sectors of the same rows run together, instead of programs_t
+// blocks apart as with a (programs_t, programs_h) grid. Thread (row, lane) keeps its 2 * V per-head
 // sums in registers in token order; the rows are then combined by a fixed-shape tree in
 // shared memory (stride = half the next power of two of rows, halving; row r adds row
 // r + stride when that row exists), so the per-program sums are a pure function of the
@@ -337,7 +340,8 @@ __device__ __forceinline__ bool gate_backward_program(const GateBackwardPlan& p,
   const int tid = threadIdx.x;
   const int lanes = launch.lanes;
   const int rows = launch.rows;
-  const int head_base = static_cast<int>(blockIdx.y) * p.block_h;
+  const int64_t program_t = static_cast<int64_t>(blockIdx.x) / launch.programs_h;
+  const int head_base = static_cast<int>(blockIdx.x % launch.programs_h) * p.block_h;
   float* table = smem;                 // [2][block_h]: -exp(A_log), dt_bias
   float* tree = smem + 2 * p.block_h;  // [2][V][rows][lanes]
   for (int i = tid; i < p.block_h; i += launch.threads) {
@@ -368,7 +372,7 @@ __device__ __forceinline__ bool gate_backward_program(const GateBackwardPlan& p,
     In* da = static_cast<In*>(p.da);
     In* db = static_cast<In*>(p.db);
     constexpr int kBatch = backward_batch<V>();
-    const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * p.block_t;
+    const int64_t t_begin = program_t * p.block_t;
     const int64_t t_end = t_begin + p.block_t < p.tokens ? t_begin + p.block_t : p.tokens;
     for (int64_t t0 = t_begin + row; t0 < t_end; t0 += static_cast<int64_t>(kBatch) * rows) {
       float a_val[kBatch][V], b_val[kBatch][V], dg[kBatch][V], dbeta[kBatch][V];
@@ -439,13 +443,15 @@ __device__ __forceinline__ bool gate_backward_program(const GateBackwardPlan& p,
   return true;
 }
 
-// Ordered mode: the program's partial row (row blockIdx.x of [programs_t, 2, heads]);
-// every slot is written by exactly one program, so no zero-fill is needed.
+// Ordered mode: the program's partial row (row program_t = blockIdx.x / programs_h of
+// [programs_t, 2, heads]); every slot is written by exactly one program, so no zero-fill
+// is needed.
 template <int V>
-__device__ __forceinline__ void gate_write_partial_row(float* partials, int heads, int h0,
-                                                       const float (&total_A_log)[V],
+__device__ __forceinline__ void gate_write_partial_row(float* partials, const GateBackwardPlan& p,
+                                                       int h0, const float (&total_A_log)[V],
                                                        const float (&total_dt_bias)[V]) {
-  float* row = partials + static_cast<int64_t>(blockIdx.x) * 2 * heads;
+  const int64_t heads = p.heads;
+  float* row = partials + static_cast<int64_t>(blockIdx.x) / p.launch.programs_h * 2 * heads;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     row[h0 + j] = total_A_log[j];

@@ -149,16 +149,14 @@ void emulate_backward(const GateBackwardPlan& plan, float* partials) {
     using In = decltype(in_tag);
     constexpr int V = decltype(vec_tag)::value;
     constexpr bool kSplit = decltype(split_tag)::value;
-    run_grid(launch.programs_t, launch.programs_h, launch.threads, launch.shared_bytes / 4,
-             [&](float* smem) {
-               float total_A_log[V], total_dt_bias[V];
-               int h0 = 0;
-               if (gate_detail::gate_backward_program<In, V, kSplit>(plan, smem, total_A_log,
-                                                                     total_dt_bias, h0)) {
-                 gate_detail::gate_write_partial_row<V>(partials, plan.heads, h0, total_A_log,
-                                                        total_dt_bias);
-               }
-             });
+    run_grid(launch.num_programs(), 1, launch.threads, launch.shared_bytes / 4, [&](float* smem) {
+      float total_A_log[V], total_dt_bias[V];
+      int h0 = 0;
+      if (gate_detail::gate_backward_program<In, V, kSplit>(plan, smem, total_A_log, total_dt_bias,
+                                                            h0)) {
+        gate_detail::gate_write_partial_row<V>(partials, plan, h0, total_A_log, total_dt_bias);
+      }
+    });
   });
 }
 
