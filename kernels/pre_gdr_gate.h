@@ -33,8 +33,8 @@ struct GateShape {
   int64_t tokens() const { return dim0 * dim1; }
 };
 
-// One backward tile: each program reduces block_t tokens x block_h heads with `threads`
-// threads laid out as (threads / block_h) token rows of block_h head lanes.
+// One backward tile: each program reduces block_t tokens x block_h heads with at most
+// `threads` threads, laid out as in Note [Gate head vectors] (below).
 struct GateTile {
   int block_t = 0;
   int block_h = 0;
