@@ -168,6 +168,124 @@ TEST_F(GateGpuTest, StridedInputsAndGradientsGiveTheContiguousBits) {
   EXPECT_TRUE(bitwise_equal(flat_out[5], contiguous[5]));
 }
 
+// The same values in another memory layout: each picks a different kernel path (vector
+// loads, the strided fallback for stride_h != 1 or misaligned rows, the token split for
+// non-token-linear layouts); Note [Gate head vectors] says none may change a bit.
+enum class Layout { kContiguous, kSliced, kMisaligned, kSequenceMajor, kHeadStrided };
+
+at::Tensor relayout(const at::Tensor& x, Layout layout) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2);
+  switch (layout) {
+    case Layout::kContiguous: return x.contiguous();
+    case Layout::kSliced: {
+      at::Tensor wide = at::zeros({B, S, 3 * H}, x.options());
+      wide.narrow(2, H, H).copy_(x);
+      return wide.narrow(2, H, H);
+    }
+    case Layout::kMisaligned: {
+      at::Tensor wide = at::zeros({B, S, H + 1}, x.options());
+      wide.narrow(2, 1, H).copy_(x);
+      return wide.narrow(2, 1, H);
+    }
+    case Layout::kSequenceMajor: return x.transpose(0, 1).contiguous().transpose(0, 1);
+    case Layout::kHeadStrided: {
+      at::Tensor wide = at::zeros({B, S, 2 * H}, x.options());
+      wide.slice(2, 0, 2 * H, 2).copy_(x);
+      return wide.slice(2, 0, 2 * H, 2);
+    }
+  }
+  return x;
+}
+
+TEST_F(GateGpuTest, EveryKernelPathGivesTheContiguousBitsAndMatchesTheComposite) {
+  const std::vector<DtypeShape> cases = {
+      {at::kBFloat16, at::kFloat, 2, 333, 12},  {at::kFloat, at::kFloat, 2, 333, 12},
+      {at::kBFloat16, at::kFloat, 3, 257, 20},  {at::kFloat, at::kBFloat16, 2, 129, 20},
+      {at::kBFloat16, at::kFloat, 2, 1001, 16}, {at::kFloat, at::kFloat, 2, 1001, 16},
+      {at::kHalf, at::kFloat, 2, 77, 64},       {at::kBFloat16, at::kBFloat16, 2, 515, 64},
+      {at::kFloat, at::kFloat, 2, 99, 1},       {at::kBFloat16, at::kFloat, 3, 50, 5},
+  };
+  const Layout layouts[] = {Layout::kSliced, Layout::kMisaligned, Layout::kSequenceMajor,
+                            Layout::kHeadStrided};
+  const char* layout_names[] = {"sliced", "misaligned", "sequence-major", "head-strided"};
+  for (const DtypeShape& c : cases) {
+    const Inputs x = make_inputs(c.dim0, c.dim1, c.heads, c.in, c.param);
+    const Outputs ref = run_composite(x);
+    for (bool deterministic : {true, false}) {
+      DeterministicModeGuard mode(deterministic);
+      const std::string base = std::string(c10::toString(c.in)) + "/" + c10::toString(c.param) +
+                               " [" + std::to_string(c.dim0) + "," + std::to_string(c.dim1) + "," +
+                               std::to_string(c.heads) + "] " +
+                               (deterministic ? "ordered" : "atomic");
+      const Outputs contiguous = run_fused(x);
+      expect_close_to_composite(contiguous, ref, c.in, base + " contiguous");
+      for (size_t l = 0; l < 4; ++l) {
+        Inputs moved = x;
+        moved.a = relayout(x.a, layouts[l]);
+        moved.b = relayout(x.b, layouts[l]);
+        moved.grad_g = relayout(x.grad_g, layouts[l]);
+        moved.grad_beta = relayout(x.grad_beta, layouts[(l + 1) % 4]);
+        const Outputs out = run_fused(moved);
+        const std::string context = base + " " + layout_names[l];
+        expect_close_to_composite(out, ref, c.in, context);
+        if (deterministic) {
+          expect_bitwise_equal(out, contiguous, context);
+        } else {
+          // Elementwise outputs never depend on the reduction mode or the layout.
+          for (size_t i = 0; i < 4; ++i) {
+            EXPECT_TRUE(bitwise_equal(out[i], contiguous[i])) << context << " output " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GateGpuTest, OrderedBackwardReplaysBitExactAtOddHeadCountsAndBothDtypes) {
+  DeterministicModeGuard mode(true);
+  for (const DtypeShape& c : {DtypeShape{at::kBFloat16, at::kFloat, 3, 2731, 12},
+                              DtypeShape{at::kFloat, at::kFloat, 2, 4097, 20},
+                              DtypeShape{at::kBFloat16, at::kBFloat16, 1, 65536, 64},
+                              DtypeShape{at::kFloat, at::kFloat, 1, 32768, 48}}) {
+    const Inputs x = make_inputs(c.dim0, c.dim1, c.heads, c.in, c.param, 5);
+    const Outputs first = run_fused(x);
+    std::optional<test_support::GpuContention> load(std::in_place);
+    int mismatches = 0;
+    for (int replay = 0; replay < 50; ++replay) {
+      const Outputs now = run_fused(x);
+      for (size_t i = 0; i < now.size(); ++i) mismatches += bitwise_equal(now[i], first[i]) ? 0 : 1;
+    }
+    load.reset();
+    EXPECT_EQ(mismatches, 0) << c10::toString(c.in) << " Hv=" << c.heads;
+  }
+}
+
+TEST_F(GateGpuTest, OutputsCarvedFromOneAllocationBehaveAsSeparateTensors) {
+  const Inputs x = make_inputs(2, 300, 16, at::kBFloat16, at::kBFloat16);
+  for (bool deterministic : {false, true}) {
+    DeterministicModeGuard mode(deterministic);
+    auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+    auto [da, db, dA, ddt] =
+        pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+    for (const at::Tensor& t : {g, beta, da, db, dA, ddt}) {
+      EXPECT_TRUE(t.is_contiguous());
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, 0u);
+    }
+    EXPECT_EQ(dA.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(dA.sizes(), x.A_log.sizes());
+    // The per-head gradients do not share the large block (autograd may keep them as
+    // .grad for the whole run).
+    EXPECT_FALSE(dA.is_alias_of(da));
+    const at::Tensor beta_before = beta.clone(), db_before = db.clone(), ddt_before = ddt.clone();
+    g.add_(1.0);
+    da.add_(1.0);
+    dA.add_(1.0);
+    EXPECT_TRUE(bitwise_equal(beta, beta_before));
+    EXPECT_TRUE(bitwise_equal(db, db_before));
+    EXPECT_TRUE(bitwise_equal(ddt, ddt_before));
+  }
+}
+
 TEST_F(GateGpuTest, SideStreamWorkMatchesTheDefaultStreamBitForBit) {
   DeterministicModeGuard mode(true);
   const Inputs x = make_inputs(1, 8192, 16, at::kBFloat16, at::kFloat);
