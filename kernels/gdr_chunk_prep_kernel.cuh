@@ -148,16 +148,76 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
   }
 }
 
+// Four floats read as one 16-byte shared-memory load (the address must be 16-byte aligned:
+// every region of the carve-ups starts at a multiple of C floats and the rows read this way
+// have pitch C).
+struct alignas(16) Vec4 {
+  float v[4];
+};
+__device__ __forceinline__ Vec4 load_vec4(const float* p) {
+  return *reinterpret_cast<const Vec4*>(p);
+}
+
+// Note [Register-resident substitution]
+// The triangular solves run one thread per column of the right-hand side, as before, but
+// the column lives in registers (x[C], every index a compile-time constant once the loops
+// are unrolled) and the row of M a step needs comes in 16-byte broadcast loads of a
+// pitch-C copy. A step is then one FMA and a quarter of a load instead of two or three
+// loads, and the sums of a row are still one thread's fixed-order FP32 chain.
+// Forward: row i of X is x_i - sum_{j<i} M_ij X_j, j ascending (the order of the
+// original loop, so the same bits); m[i * C + j] = M_ij.
+__device__ __forceinline__ void forward_substitute(const float* m, float (&x)[kC]) {
+#pragma unroll
+  for (int i = 1; i < kC; ++i) {
+    float y = x[i];
+#pragma unroll
+    for (int j4 = 0; j4 < kC; j4 += 4) {
+      if (j4 < i) {
+        const Vec4 mv = load_vec4(m + i * kC + j4);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          if (j4 + jj < i) y = fmaf(-mv.v[jj], x[j4 + jj], y);
+        }
+      }
+    }
+    x[i] = y;
+  }
+}
+
+// Backward: (I + M)^T is unit upper triangular; row i of the solution is
+// x_i - sum_{j>i} M_ji Y_j with j DESCENDING from C-1: the oldest results come first, so
+// the chains of successive rows overlap instead of each waiting for the row before it to
+// finish (ascending j made the whole solve one dependent chain of C(C-1)/2 FMAs).
+// mt[i * C + j] = M_ji (M transposed).
+__device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC]) {
+#pragma unroll
+  for (int i = kC - 2; i >= 0; --i) {
+    float y = x[i];
+#pragma unroll
+    for (int j4 = kC - 4; j4 >= 0; j4 -= 4) {
+      if (j4 + 3 > i) {
+        const Vec4 mv = load_vec4(mt + i * kC + j4);
+#pragma unroll
+        for (int jj = 3; jj >= 0; --jj) {
+          if (j4 + jj > i) y = fmaf(-mv.v[jj], x[j4 + jj], y);
+        }
+      }
+    }
+    x[i] = y;
+  }
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
 
 // Forward. Shared memory (floats): ks [C][dk+1] K; rs [C][dv+dk+1], first scale*Q (in its
-// first dk columns), then the right-hand side [beta V | beta K exp(G)] solved in place
-// into [U | W]; ms [C][C+1] M; gs, bs, es [C] G, beta, exp(G).
+// first dk columns), then the right-hand side [beta V | beta K exp(G)]; ms [C][C+1] holds M
+// at pitch C (16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta,
+// exp(G).
 // Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync) the
-// right-hand side -> (sync) forward substitution, one thread per column: row i of [U | W]
-// is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the substitution
-// needs no barrier at all.
+// right-hand side -> (sync) forward substitution, one thread per column of [U | W] held in
+// registers (Note [Register-resident substitution]): row i is rhs_i - sum_{j<i} M_ij X_j,
+// j in order. Columns are independent, so the substitution needs no barrier at all.
 template <typename TIn>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
@@ -165,7 +225,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   const int kp = dk + 1, rp = cols + 1, mp = kC + 1;
   float* ks = smem;
   float* rs = ks + kC * kp;
-  float* ms = rs + kC * rp;
+  float* ms = rs + kC * rp;  // pitch kC inside its kC * mp floats
   float* gs = ms + kC * mp;
   float* bs = gs + kC;
   float* es = bs + kC;
@@ -186,7 +246,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
       const int i = ti + kSide * a, j = tj + kSide * b;
       // exp only where i >= j: above the diagonal G_i - G_j > 0 could overflow.
       const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-      ms[i * mp + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
+      ms[i * kC + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
       p[i * kC + j] = qk[a][b] * l;
     }
   }
@@ -216,15 +276,16 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* u = args.u + place.block * kC * dv;
   float* w = args.w + place.block * kC * dk;
   for (int c = tid; c < cols; c += kThreads) {
-    for (int i = 0; i < kC; ++i) {
-      float x = rs[i * rp + c];
-      for (int j = 0; j < i; ++j) x = fmaf(-ms[i * mp + j], rs[j * rp + c], x);
-      rs[i * rp + c] = x;
-      if (c < dv) {
-        u[i * dv + c] = x;
-      } else {
-        w[i * dk + c - dv] = x;
-      }
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) x[i] = rs[i * rp + c];
+    forward_substitute(ms, x);
+    if (c < dv) {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) u[i * dv + c] = x[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) w[i * dk + c - dv] = x[i];
     }
   }
 }
@@ -232,14 +293,17 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h). Shared
 // memory (floats): ks, qs [C][dk+1] K and scale*Q; rs [C][dv+dk+1] [dU | dW] solved in
 // place into dR = (I + M)^-T [dU | dW]; kl [C][C+1] (K K^T) * L strictly below the
-// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] dM, later
-// dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column slab of [U | W]; gs, bs, es, dgs, fs [C].
-// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, pm and [dU | dW]
-// -> rs; 2 back substitution per column (row i of dR is dX_i - sum_{j>i} M_ji dR_j, j in
-// order); 3 dM = -dR X^T below the diagonal, X streamed through xs; 4 elementwise
-// C x C: E, dM .* kl, dKK, dQK; 5 one thread per row: dbeta and the row part of dG
-// (thread 0 then adds the G_last terms and runs the reverse cumsum into dg); 6 one
-// thread per column of dk, dq over DK/ (256/DK)-row stripes, and dv.
+// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] first M^T
+// at pitch C (phases 1-2), then dM, later dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column
+// slab of [U | W], later the phase 5 partial sums; gs, bs, es, dgs, fs [C].
+// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, M^T, pm and
+// [dU | dW] -> rs; 2 back substitution per column in registers (row i of dR is
+// dX_i - sum_{j>i} M_ji dR_j, j descending: Note [Register-resident substitution]); 3 dM =
+// -dR X^T below the diagonal, X streamed through xs; 4 elementwise C x C: E, dM .* kl,
+// dKK, dQK; 5 four threads per row, each a quarter of every row sum, then one thread per
+// row adds the quarters in order: dbeta and the row part of dG (thread 0 then adds the
+// G_last terms and runs the reverse cumsum into dg); 6 dk, dq as register tiles (4 rows x
+// DK/16 columns per thread), and dv.
 template <typename TIn, int DK>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
@@ -277,7 +341,9 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       for (int b = 0; b < kTileRows; ++b) {
         const int i = ti + kSide * a, j = tj + kSide * b;
         const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-        kl[i * mp + j] = i > j ? kk[a][b] * l : 0.0f;
+        const float klv = i > j ? kk[a][b] * l : 0.0f;
+        kl[i * mp + j] = klv;
+        d1[j * kC + i] = bs[i] * klv;  // M^T: M_ij = beta_i kl_ij
         pm[i * mp + j] = qk[a][b] * l;
       }
     }
@@ -292,11 +358,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
   for (int c = tid; c < cols; c += kThreads) {
-    for (int i = kC - 1; i >= 0; --i) {
-      float y = rs[i * rp + c];
-      for (int j = i + 1; j < kC; ++j) y = fmaf(-(bs[j] * kl[j * mp + i]), rs[j * rp + c], y);
-      rs[i * rp + c] = y;
-    }
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) x[i] = rs[i * rp + c];
+    back_substitute(d1, x);
+#pragma unroll
+    for (int i = 0; i < kC; ++i) rs[i * rp + c] = x[i];
   }
   __syncthreads();
 
@@ -357,34 +424,68 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   }
   __syncthreads();
 
-  // Phase 5: row sums, one thread per row, c and j in order. Row i of a pitch-odd matrix
-  // starts in bank i: 32 threads walking their rows hit 32 banks.
+  // Phase 5: row sums in four quarters. Thread (i = tid % C, quarter = tid / C) sums its
+  // quarter of the c and j ranges in order; a warp is 32 consecutive rows of one quarter,
+  // and row i of a pitch-odd matrix starts in bank i, so its reads hit 32 banks. Then one
+  // thread per row adds the four quarters in order (a fixed order, so the same bits every
+  // run).
   const float g_last = gs[kC - 1];
   const float* grad_qd = args.grad_qd ? args.grad_qd + chunk_dk : nullptr;
   const float* grad_kend = args.grad_kend ? args.grad_kend + chunk_dk : nullptr;
-  if (tid < kC) {
-    const int i = tid;
+  constexpr int kQuarters = kThreads / kC;
+  constexpr int kSums = 7;
+  static_assert(kQuarters == 4 && kC % kQuarters == 0 && DK % kQuarters == 0,
+                "four threads per row, whole quarters");
+  static_assert(kQuarters * kSums * kC <= kC * (kSlab + 1), "partials fit the slab buffer");
+  float* part = xs;  // [quarter][sum][C]; xs is free after phase 3
+  {
+    const int i = tid % kC, quarter = tid / kC;
     const bool real = i < place.rows;
     const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
-    for (int c = 0; c < dv; ++c) {
+    const int v_width = dv / kQuarters, k_width = DK / kQuarters, j_width = kC / kQuarters;
+    for (int c = quarter * v_width; c < (quarter + 1) * v_width; ++c) {
       if (real) su = fmaf(load_float(v + v_row + c), rs[i * rp + c], su);
     }
-    for (int c = 0; c < DK; ++c) {
+    for (int c = quarter * k_width; c < (quarter + 1) * k_width; ++c) {
       const float kv = ks[i * kp + c];
       sk = fmaf(kv, rs[i * rp + dv + c], sk);
       if (grad_qd) sq = fmaf(grad_qd[i * DK + c], qs[i * kp + c], sq);
       if (grad_kend) sf = fmaf(grad_kend[i * DK + c], kv, sf);
     }
-    for (int j = 0; j < kC; ++j) {
+    for (int j = quarter * j_width; j < (quarter + 1) * j_width; ++j) {
       sb += kl[i * mp + j];
       row_e += pm[i * mp + j];
       col_e += pm[j * mp + i];
     }
+    float* out = part + quarter * kSums * kC + i;
+    out[0 * kC] = su;
+    out[1 * kC] = sk;
+    out[2 * kC] = sq;
+    out[3 * kC] = sf;
+    out[4 * kC] = sb;
+    out[5 * kC] = row_e;
+    out[6 * kC] = col_e;
+  }
+  __syncthreads();
+  if (tid < kC) {
+    const int i = tid;
+    float sum[kSums];
+#pragma unroll
+    for (int n = 0; n < kSums; ++n) {
+      sum[n] = part[n * kC + i];
+      for (int quarter = 1; quarter < kQuarters; ++quarter) {
+        sum[n] += part[(quarter * kSums + n) * kC + i];
+      }
+    }
+    const float su = sum[0], sk = sum[1], sq = sum[2], sf = sum[3], sb = sum[4];
+    const float row_e = sum[5], col_e = sum[6];
     const float f = expf(g_last - gs[i]) * sf;
     fs[i] = f;
     dgs[i] = bs[i] * es[i] * sk + es[i] * sq - f + row_e - col_e;
-    if (real) args.dbeta[place.row0 + static_cast<long long>(i) * s.heads] = su + es[i] * sk + sb;
+    if (i < place.rows) {
+      args.dbeta[place.row0 + static_cast<long long>(i) * s.heads] = su + es[i] * sk + sb;
+    }
   }
   __syncthreads();
   if (tid == 0) {
@@ -402,36 +503,63 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 6: dK_ic = sum_j (dKK_ij + dKK_ji) K_jc + dQK_ji Q_jc + beta_i exp(G_i) dRw_ic
   // + dKend_ic exp(G_last - G_i);  dQ_ic = sum_j dQK_ij K_jc + dQd_ic exp(G_i);
-  // dq = scale dQ. Thread: column c = tid % DK, rows r0, r0 + stride, ...; a warp shares
-  // its rows, so the C x C reads are broadcasts.
+  // dq = scale dQ, j in order for every element. Thread (tr, tc) = (tid / 16, tid % 16)
+  // owns rows tr + 16a (a < 4) and columns tc + 16b (b < DK/16): per j it loads 16 C x C
+  // values and 2 DK/16 of K, Q for 12 DK/16 FMAs. A warp is two rows of threads: its
+  // K, Q reads are 16 consecutive words (broadcast to both rows), its C x C reads two words.
   {
-    constexpr int kStride = kThreads / DK;
-    constexpr int kRows = kC / kStride;
-    static_assert(kThreads % DK == 0 && kC % kStride == 0, "dk must tile the block");
-    const int c = tid % DK, r0 = tid / DK;
-    float acc_k[kRows], acc_q[kRows];
+    constexpr int kColThreads = 16;
+    constexpr int kRowThreads = kThreads / kColThreads;
+    constexpr int kRows = kC / kRowThreads;
+    constexpr int kCols = DK / kColThreads;
+    static_assert(kThreads % kColThreads == 0 && kC % kRowThreads == 0 && DK % kColThreads == 0,
+                  "dk, dq tiles cover the chunk");
+    const int tr = tid / kColThreads, tc = tid % kColThreads;
+    float acc_k[kRows][kCols], acc_q[kRows][kCols];
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) acc_k[m] = acc_q[m] = 0.0f;
+    for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
+    }
     for (int j = 0; j < kC; ++j) {
-      const float kj = ks[j * kp + c], qj = qs[j * kp + c];
+      float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
 #pragma unroll
-      for (int m = 0; m < kRows; ++m) {
-        const int i = r0 + kStride * m;
-        acc_k[m] = fmaf(d1[i * mp + j] + d1[j * mp + i], kj, acc_k[m]);
-        acc_k[m] = fmaf(d2[j * mp + i], qj, acc_k[m]);
-        acc_q[m] = fmaf(d2[i * mp + j], kj, acc_q[m]);
+      for (int b = 0; b < kCols; ++b) {
+        kj[b] = ks[j * kp + tc + kColThreads * b];
+        qj[b] = qs[j * kp + tc + kColThreads * b];
+      }
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        skk[a] = d1[i * mp + j] + d1[j * mp + i];
+        dqk_ji[a] = d2[j * mp + i];
+        dqk_ij[a] = d2[i * mp + j];
+      }
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
+          acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
+          acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+        }
       }
     }
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-      const int i = r0 + kStride * m;
+    for (int a = 0; a < kRows; ++a) {
+      const int i = tr + kRowThreads * a;
       if (i >= place.rows) continue;
-      const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
-      const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
-      const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
-      store_float(static_cast<TIn*>(args.dk) + at,
-                  acc_k[m] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * expf(g_last - gs[i]));
-      store_float(static_cast<TIn*>(args.dq) + at, (acc_q[m] + dqd * es[i]) * s.scale);
+      const float decay_end = expf(g_last - gs[i]);
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) {
+        const int c = tc + kColThreads * b;
+        const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
+        const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+        const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
+        store_float(static_cast<TIn*>(args.dk) + at,
+                    acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * decay_end);
+        store_float(static_cast<TIn*>(args.dq) + at, (acc_q[a][b] + dqd * es[i]) * s.scale);
+      }
     }
   }
   for (int e = tid; e < kC * dv; e += kThreads) {

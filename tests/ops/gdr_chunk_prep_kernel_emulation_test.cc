@@ -214,7 +214,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
                                            Case{1, 130, 1, 128, 128, at::kBFloat16, true},
                                            Case{1, 30, 2, 64, 48, at::kBFloat16, false},
                                            Case{2, 70, 2, 64, 32, at::kFloat, true, true},
-                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true}),
+                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true},
+                                           // The model's head dims at the GPU test's T tails;
+                                           // dv = 208 (dk 128) and 272 (dk 64), the largest
+                                           // supported, take a second column per thread in
+                                           // the triangular solves (dv + dk > 256 threads).
+                                           Case{1, 200, 1, 128, 128, at::kFloat, true},
+                                           Case{1, 2085, 1, 128, 128, at::kFloat, true},
+                                           Case{1, 64, 2, 128, 128, at::kBFloat16, true},
+                                           Case{2, 200, 1, 128, 128, at::kFloat, true, true},
+                                           Case{2, 130, 1, 128, 128, at::kBFloat16, false, true},
+                                           Case{1, 130, 1, 128, 208, at::kFloat, true},
+                                           Case{1, 70, 1, 64, 272, at::kBFloat16, true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return describe(info.param);
                          });
