@@ -155,7 +155,19 @@ struct alignas(16) Vec4 {
   float v[4];
 };
 __device__ __forceinline__ Vec4 load_vec4(const float* p) {
+#ifdef __CUDA_ARCH__
+  // One ld.shared.v4 by hand: nvcc splits a plain 16-byte load (of this struct or of a
+  // float4) into four scalar loads here. volatile + "memory": never moved across the
+  // barrier that publishes M (ptxas still schedules it among the FMAs).
+  Vec4 r;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return r;
+#else
   return *reinterpret_cast<const Vec4*>(p);
+#endif
 }
 
 // Note [Register-resident substitution]
@@ -210,35 +222,37 @@ __device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC])
 // ----------------------------------------------------------------------------
 // CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
 
-// Forward. Shared memory (floats): ks [C][dk+1] K; rs [C][dv+dk+1], first scale*Q (in its
-// first dk columns), then the right-hand side [beta V | beta K exp(G)]; ms [C][C+1] holds M
-// at pitch C (16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta,
-// exp(G).
-// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync) the
-// right-hand side -> (sync) forward substitution, one thread per column of [U | W] held in
-// registers (Note [Register-resident substitution]): row i is rhs_i - sum_{j<i} M_ij X_j,
-// j in order. Columns are independent, so the substitution needs no barrier at all.
+// Forward. Shared memory (floats): ks, qs [C][dk+1] K and scale*Q; ms [C][C] M (pitch C:
+// 16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta, exp(G).
+// 2 C (dk + 1) + C^2 + 3 C floats, 81 KiB at dk = 128 whatever dv: two blocks fit an
+// H100 / H200 SM (the right-hand side no longer sits in shared memory).
+// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync)
+// forward substitution, one thread per column of [U | W] held in registers (Note
+// [Register-resident substitution]): the thread forms its column of the right-hand side
+// [beta V | beta K exp(G)] (V straight from global memory, coalesced across the warp),
+// then row i is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the
+// substitution needs no barrier at all.
 template <typename TIn>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
-  const int kp = dk + 1, rp = cols + 1, mp = kC + 1;
+  const int kp = dk + 1;
   float* ks = smem;
-  float* rs = ks + kC * kp;
-  float* ms = rs + kC * rp;  // pitch kC inside its kC * mp floats
-  float* gs = ms + kC * mp;
+  float* qs = ks + kC * kp;
+  float* ms = qs + kC * kp;
+  float* gs = ms + kC * kC;
   float* bs = gs + kC;
   float* es = bs + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TIn* v = static_cast<const TIn*>(args.v);
 
-  load_qk<TIn>(args, place, rs, rp, ks, kp);
+  load_qk<TIn>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);  // ends with the cumsum, no barrier
   __syncthreads();
 
   float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-  gram_tiles(rs, rp, ks, kp, dk, kk, qk);
+  gram_tiles(qs, kp, ks, kp, dk, kk, qk);
   const int ti = tid / kSide, tj = tid % kSide;
   float* p = args.p + place.block * kC * kC;
   for (int a = 0; a < kTileRows; ++a) {
@@ -255,35 +269,31 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* kend = args.kend + place.block * kC * dk;
   for (int e = tid; e < kC * dk; e += kThreads) {
     const int i = e / dk, c = e % dk;
-    qd[e] = rs[i * rp + c] * es[i];
+    qd[e] = qs[i * kp + c] * es[i];
     kend[e] = ks[i * kp + c] * expf(g_last - gs[i]);
   }
   if (tid == 0) args.g_last[place.block] = g_last;
-  __syncthreads();  // Q in rs is read for the last time above
-
-  for (int e = tid; e < kC * dv; e += kThreads) {
-    const int i = e / dv, c = e % dv;
-    const float vv =
-        i < place.rows ? load_float(v + input_row(args.v_strides, place, i) + c) : 0.0f;
-    rs[i * rp + c] = vv * bs[i];
-  }
-  for (int e = tid; e < kC * dk; e += kThreads) {
-    const int i = e / dk, c = e % dk;
-    rs[i * rp + dv + c] = (ks[i * kp + c] * bs[i]) * es[i];
-  }
-  __syncthreads();
+  __syncthreads();  // M complete
 
   float* u = args.u + place.block * kC * dv;
   float* w = args.w + place.block * kC * dk;
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
-#pragma unroll
-    for (int i = 0; i < kC; ++i) x[i] = rs[i * rp + c];
-    forward_substitute(ms, x);
     if (c < dv) {
+      const TIn* vc = v + input_row(args.v_strides, place, 0) + c;
+      const long long token = args.v_strides.token;
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        const float vv = i < place.rows ? load_float(vc + i * token) : 0.0f;
+        x[i] = vv * bs[i];
+      }
+      forward_substitute(ms, x);
 #pragma unroll
       for (int i = 0; i < kC; ++i) u[i * dv + c] = x[i];
     } else {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) x[i] = (ks[i * kp + c - dv] * bs[i]) * es[i];
+      forward_substitute(ms, x);
 #pragma unroll
       for (int i = 0; i < kC; ++i) w[i * dk + c - dv] = x[i];
     }
