@@ -13,9 +13,11 @@
 // dq, dk, dv, dg, dbeta for its head). Gradients never cross chunks: g reaches G only
 // through the cumsum inside its own chunk, and the chunk state scan carries everything
 // that does cross chunks. So there is no cross-block reduction, hence no atomics and no
-// scratch partials. Inside a block every output element and every row sum is accumulated
-// by one thread in a fixed index order, and the cumsums are one thread's sequential loop.
-// The same inputs therefore give the same bits on every run, stream and load.
+// scratch partials across blocks. Inside a block every output element is accumulated by
+// one thread in a fixed index order; the backward's row sums are four fixed quarters (each
+// one thread's in-order sum, in shared memory) that one thread per row adds in quarter
+// order; the cumsums are one thread's sequential loop. The same inputs therefore give the
+// same bits on every run, stream and load.
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
