@@ -379,23 +379,38 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   }
   __syncthreads();
 
-  // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W].
+  // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W]. The next slab
+  // of X is fetched into registers before the current one is multiplied, so its global
+  // latency hides behind the FMAs.
   {
     const int ti = tid / kSide, tj = tid % kSide;
     float acc[kTileRows][kTileRows];
     for (int a = 0; a < kTileRows; ++a) {
       for (int b = 0; b < kTileRows; ++b) acc[a][b] = 0.0f;
     }
+    constexpr int kSlabLoads = kC * kSlab / kThreads;
+    static_assert(kC * kSlab % kThreads == 0, "slabs split evenly over the threads");
+    float next[kSlabLoads];
+    auto fetch_slab = [&](int c0) {
+#pragma unroll
+      for (int m = 0; m < kSlabLoads; ++m) {
+        const int e = tid + kThreads * m;
+        const int j = e / kSlab, c = c0 + e % kSlab;
+        next[m] = c >= cols ? 0.0f
+                  : c < dv  ? args.u[chunk_dv + j * dv + c]
+                            : args.w[chunk_dk + j * DK + c - dv];
+      }
+    };
+    fetch_slab(0);
     for (int c0 = 0; c0 < cols; c0 += kSlab) {
       const int width = cols - c0 < kSlab ? cols - c0 : kSlab;
-      for (int e = tid; e < kC * kSlab; e += kThreads) {
-        const int j = e / kSlab, cc = e % kSlab, c = c0 + cc;
-        float x = 0.0f;
-        if (cc < width)
-          x = c < dv ? args.u[chunk_dv + j * dv + c] : args.w[chunk_dk + j * DK + c - dv];
-        xs[j * xp + cc] = x;
+#pragma unroll
+      for (int m = 0; m < kSlabLoads; ++m) {
+        const int e = tid + kThreads * m;
+        xs[(e / kSlab) * xp + e % kSlab] = next[m];
       }
       __syncthreads();
+      if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
       for (int cc = 0; cc < width; ++cc) {
         float dr[kTileRows], x[kTileRows];
 #pragma unroll

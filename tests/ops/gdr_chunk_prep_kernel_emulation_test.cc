@@ -13,6 +13,7 @@
 #include <pthread.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -57,6 +58,9 @@ template <typename Args, typename Body>
 void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
   const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
   std::vector<float> smem(smem_floats);
+  // The bodies read some shared rows as 16-byte vectors (ld.shared.v4 on the GPU, whose
+  // dynamic shared memory is at least 16-byte aligned); the host buffer must match.
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(smem.data()) % 16, 0u);
   pthread_barrier_init(&g_block_barrier, nullptr, kChunkPrepThreads);
   for (int64_t b = 0; b < blocks; ++b) {
     std::fill(smem.begin(), smem.end(), NAN);
