@@ -123,7 +123,9 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
 
 // Thread (ti, tj) computes rows ti + 16a and columns tj + 16b (a, b < 4) of K K^T and
 // Q K^T, dk summed in order. Within a warp ti takes two values (two broadcast words) and
-// tj sixteen consecutive rows of an odd pitch (sixteen banks).
+// tj sixteen consecutive rows of an odd pitch (sixteen banks). Only the lower triangle
+// (i >= j) is ever used: tiles with a < b lie wholly above the diagonal (i - j =
+// ti - tj + 16 (a - b) < 0) and stay zero, 6 of the 16 products skipped.
 __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const float* ks,
                                            int k_pitch, int dk, float (&kk)[kTileRows][kTileRows],
                                            float (&qk)[kTileRows][kTileRows]) {
@@ -142,7 +144,7 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
 #pragma unroll
     for (int a = 0; a < kTileRows; ++a) {
 #pragma unroll
-      for (int b = 0; b < kTileRows; ++b) {
+      for (int b = 0; b <= a; ++b) {
         kk[a][b] = fmaf(kr[a], kc[b], kk[a][b]);
         qk[a][b] = fmaf(qr[a], kc[b], qk[a][b]);
       }
@@ -381,7 +383,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W]. The next slab
   // of X is fetched into registers before the current one is multiplied, so its global
-  // latency hides behind the FMAs.
+  // latency hides behind the FMAs. Tiles above the diagonal (a < b) are skipped, as in
+  // gram_tiles.
   {
     const int ti = tid / kSide, tj = tid % kSide;
     float acc[kTileRows][kTileRows];
@@ -421,7 +424,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
         for (int a = 0; a < kTileRows; ++a) {
 #pragma unroll
-          for (int b = 0; b < kTileRows; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
+          for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
         }
       }
       __syncthreads();
