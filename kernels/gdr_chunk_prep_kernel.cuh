@@ -101,6 +101,15 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
   }
 }
 
+// Note [Batched global loads]
+// A loop that alternates a global load with a shared store runs one load at a time: the
+// load goes through a generic pointer that might alias the shared array, so neither nvcc
+// nor ptxas moves the next load above the store, and each iteration waits the full global
+// latency (with 8 warps per SM nothing else hides it). The copies below load kLoadBatch
+// values per thread into registers first and store them after. Pure data movement: the
+// values and bits are those of the one-at-a-time loops.
+constexpr int kLoadBatch = 8;
+
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
 template <typename TIn, typename Args>
 __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
@@ -108,16 +117,45 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
   const ChunkPrepShape& s = args.shape;
   const TIn* q = static_cast<const TIn*>(args.q);
   const TIn* k = static_cast<const TIn*>(args.k);
-  const int dk = s.dk;
-  for (int e = threadIdx.x; e < kC * dk; e += kThreads) {
-    const int i = e / dk, c = e % dk;
-    float qv = 0.0f, kv = 0.0f;
-    if (i < place.rows) {
-      qv = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
-      kv = load_float(k + input_row(args.k_strides, place, i) + c);
+  const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
+  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+    float qv[kLoadBatch], kv[kLoadBatch];
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      qv[m] = kv[m] = 0.0f;
+      if (e < n && i < place.rows) {
+        qv[m] = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
+        kv[m] = load_float(k + input_row(args.k_strides, place, i) + c);
+      }
     }
-    qs[i * q_pitch + c] = qv;
-    ks[i * k_pitch + c] = kv;
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      if (e < n) {
+        qs[i * q_pitch + c] = qv[m];
+        ks[i * k_pitch + c] = kv[m];
+      }
+    }
+  }
+}
+
+// A contiguous [C][width] global array (nullptr: zeros) into shared rows of the given
+// pitch, kLoadBatch loads in flight per thread (Note [Batched global loads]).
+__device__ __forceinline__ void copy_rows(const float* src, int width, float* dst, int pitch) {
+  const int n = kC * width, tid = threadIdx.x;
+  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+    float r[kLoadBatch];
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m;
+      r[m] = src && e < n ? src[e] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m;
+      if (e < n) dst[(e / width) * pitch + e % width] = r[m];
+    }
   }
 }
 
@@ -362,12 +400,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
     }
   }
-  for (int e = tid; e < kC * dv; e += kThreads) {
-    rs[(e / dv) * rp + e % dv] = args.grad_u ? args.grad_u[chunk_dv + e] : 0.0f;
-  }
-  for (int e = tid; e < kC * DK; e += kThreads) {
-    rs[(e / DK) * rp + dv + e % DK] = args.grad_w ? args.grad_w[chunk_dk + e] : 0.0f;
-  }
+  copy_rows(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
+  copy_rows(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
   __syncthreads();
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
@@ -440,12 +474,20 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 4. E_ij = dL_ij L_ij for i > j (the diagonal's G_i - G_i cancels), with
   // dL = dM beta_i (K K^T) + dP (Q K^T); dKK = dM beta_i L; dQK = dP L (diagonal kept).
+  // dP is read into registers first (Note [Batched global loads]).
   const float* grad_p = args.grad_p ? args.grad_p + place.block * kC * kC : nullptr;
-  for (int e = tid; e < kC * kC; e += kThreads) {
+  constexpr int kPerThread = kC * kC / kThreads;
+  static_assert(kC * kC % kThreads == 0, "C x C splits evenly over the threads");
+  float dps[kPerThread];
+#pragma unroll
+  for (int m = 0; m < kPerThread; ++m) dps[m] = grad_p ? grad_p[tid + kThreads * m] : 0.0f;
+#pragma unroll
+  for (int m = 0; m < kPerThread; ++m) {
+    const int e = tid + kThreads * m;
     const int i = e / kC, j = e % kC;
     const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
     const float dm = d1[i * mp + j];
-    const float dp = grad_p ? grad_p[e] : 0.0f;
+    const float dp = dps[m];
     const float klv = kl[i * mp + j];
     pm[i * mp + j] = i > j ? bs[i] * dm * klv + dp * pm[i * mp + j] : 0.0f;
     kl[i * mp + j] = dm * klv;
@@ -580,15 +622,20 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       const int i = tr + kRowThreads * a;
       if (i >= place.rows) continue;
       const float decay_end = expf(g_last - gs[i]);
+      float dkend[kCols], dqd[kCols];  // loaded before the stores: Note [Batched global loads]
 #pragma unroll
       for (int b = 0; b < kCols; ++b) {
         const int c = tc + kColThreads * b;
-        const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
-        const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+        dkend[b] = grad_kend ? grad_kend[i * DK + c] : 0.0f;
+        dqd[b] = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) {
+        const int c = tc + kColThreads * b;
         const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
         store_float(static_cast<TIn*>(args.dk) + at,
-                    acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * decay_end);
-        store_float(static_cast<TIn*>(args.dq) + at, (acc_q[a][b] + dqd * es[i]) * s.scale);
+                    acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end);
+        store_float(static_cast<TIn*>(args.dq) + at, (acc_q[a][b] + dqd[b] * es[i]) * s.scale);
       }
     }
   }
