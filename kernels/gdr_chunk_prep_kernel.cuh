@@ -516,14 +516,37 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
     const int v_width = dv / kQuarters, k_width = DK / kQuarters, j_width = kC / kQuarters;
-    for (int c = quarter * v_width; c < (quarter + 1) * v_width; ++c) {
-      if (real) su = fmaf(load_float(v + v_row + c), rs[i * rp + c], su);
+    // Global operands come kLoadBatch at a time (Note [Batched global loads]); every sum
+    // still runs over c in order.
+    const int v_end = (quarter + 1) * v_width, k_end = (quarter + 1) * k_width;
+    for (int c0 = quarter * v_width; c0 < v_end; c0 += kLoadBatch) {
+      float vv[kLoadBatch];
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        vv[m] = real && c0 + m < v_end ? load_float(v + v_row + c0 + m) : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        if (real && c0 + m < v_end) su = fmaf(vv[m], rs[i * rp + c0 + m], su);
+      }
     }
-    for (int c = quarter * k_width; c < (quarter + 1) * k_width; ++c) {
-      const float kv = ks[i * kp + c];
-      sk = fmaf(kv, rs[i * rp + dv + c], sk);
-      if (grad_qd) sq = fmaf(grad_qd[i * DK + c], qs[i * kp + c], sq);
-      if (grad_kend) sf = fmaf(grad_kend[i * DK + c], kv, sf);
+    for (int c0 = quarter * k_width; c0 < k_end; c0 += kLoadBatch) {
+      float gq[kLoadBatch], gk[kLoadBatch];
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        const bool in = c0 + m < k_end;
+        gq[m] = grad_qd && in ? grad_qd[i * DK + c0 + m] : 0.0f;
+        gk[m] = grad_kend && in ? grad_kend[i * DK + c0 + m] : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        const int c = c0 + m;
+        if (c >= k_end) continue;
+        const float kv = ks[i * kp + c];
+        sk = fmaf(kv, rs[i * rp + dv + c], sk);
+        if (grad_qd) sq = fmaf(gq[m], qs[i * kp + c], sq);
+        if (grad_kend) sf = fmaf(gk[m], kv, sf);
+      }
     }
     for (int j = quarter * j_width; j < (quarter + 1) * j_width; ++j) {
       sb += kl[i * mp + j];
