@@ -13,8 +13,9 @@ namespace chunk_prep_detail {
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
+// Two blocks per SM (81 KiB of shared memory each at dk = 128): at most 128 registers.
 template <typename TIn>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
   extern __shared__ float smem[];
   chunk_prep_forward_block<TIn>(args, smem);
@@ -32,8 +33,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // One block per (batch, head, chunk): B=1, T=2048, H=16 gives 512 blocks. The matrices of
 // a chunk (K, Q, the C x C products, the [U | W] panel) live in dynamic shared memory
-// (forward ~113 KiB, backward ~204 KiB at dk = dv = 128), above the 48 KiB default, so
-// each launch raises the kernel's limit first.
+// (forward ~81 KiB, backward ~204 KiB at dk = dv = 128), above the 48 KiB default, so
+// each launch raises the kernel's limit first, and asks for the largest shared-memory
+// carveout so that two forward blocks share an SM.
 template <typename Kernel, typename Args>
 int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* stream) {
   const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
@@ -42,6 +44,9 @@ int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* st
   const int bytes = static_cast<int>(smem_floats * sizeof(float));
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error != cudaSuccess) return static_cast<int>(error);
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
   if (error != cudaSuccess) return static_cast<int>(error);
   kernel<<<static_cast<unsigned int>(blocks), kThreads, bytes, stream>>>(args);
   return static_cast<int>(cudaGetLastError());

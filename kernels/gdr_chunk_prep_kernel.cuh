@@ -13,9 +13,11 @@
 // dq, dk, dv, dg, dbeta for its head). Gradients never cross chunks: g reaches G only
 // through the cumsum inside its own chunk, and the chunk state scan carries everything
 // that does cross chunks. So there is no cross-block reduction, hence no atomics and no
-// scratch partials. Inside a block every output element and every row sum is accumulated
-// by one thread in a fixed index order, and the cumsums are one thread's sequential loop.
-// The same inputs therefore give the same bits on every run, stream and load.
+// scratch partials across blocks. Inside a block every output element is accumulated by
+// one thread in a fixed index order; the backward's row sums are four fixed quarters (each
+// one thread's in-order sum, in shared memory) that one thread per row adds in quarter
+// order; the cumsums are one thread's sequential loop. The same inputs therefore give the
+// same bits on every run, stream and load.
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
@@ -99,6 +101,15 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
   }
 }
 
+// Note [Batched global loads]
+// A loop that alternates a global load with a shared store runs one load at a time: the
+// load goes through a generic pointer that might alias the shared array, so neither nvcc
+// nor ptxas moves the next load above the store, and each iteration waits the full global
+// latency (with 8 warps per SM nothing else hides it). The copies below load kLoadBatch
+// values per thread into registers first and store them after. Pure data movement: the
+// values and bits are those of the one-at-a-time loops.
+constexpr int kLoadBatch = 8;
+
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
 template <typename TIn, typename Args>
 __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
@@ -106,22 +117,53 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
   const ChunkPrepShape& s = args.shape;
   const TIn* q = static_cast<const TIn*>(args.q);
   const TIn* k = static_cast<const TIn*>(args.k);
-  const int dk = s.dk;
-  for (int e = threadIdx.x; e < kC * dk; e += kThreads) {
-    const int i = e / dk, c = e % dk;
-    float qv = 0.0f, kv = 0.0f;
-    if (i < place.rows) {
-      qv = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
-      kv = load_float(k + input_row(args.k_strides, place, i) + c);
+  const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
+  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+    float qv[kLoadBatch], kv[kLoadBatch];
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      qv[m] = kv[m] = 0.0f;
+      if (e < n && i < place.rows) {
+        qv[m] = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
+        kv[m] = load_float(k + input_row(args.k_strides, place, i) + c);
+      }
     }
-    qs[i * q_pitch + c] = qv;
-    ks[i * k_pitch + c] = kv;
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      if (e < n) {
+        qs[i * q_pitch + c] = qv[m];
+        ks[i * k_pitch + c] = kv[m];
+      }
+    }
+  }
+}
+
+// A contiguous [C][width] global array (nullptr: zeros) into shared rows of the given
+// pitch, kLoadBatch loads in flight per thread (Note [Batched global loads]).
+__device__ __forceinline__ void copy_rows(const float* src, int width, float* dst, int pitch) {
+  const int n = kC * width, tid = threadIdx.x;
+  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+    float r[kLoadBatch];
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m;
+      r[m] = src && e < n ? src[e] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < kLoadBatch; ++m) {
+      const int e = e0 + tid + kThreads * m;
+      if (e < n) dst[(e / width) * pitch + e % width] = r[m];
+    }
   }
 }
 
 // Thread (ti, tj) computes rows ti + 16a and columns tj + 16b (a, b < 4) of K K^T and
 // Q K^T, dk summed in order. Within a warp ti takes two values (two broadcast words) and
-// tj sixteen consecutive rows of an odd pitch (sixteen banks).
+// tj sixteen consecutive rows of an odd pitch (sixteen banks). Only the lower triangle
+// (i >= j) is ever used: tiles with a < b lie wholly above the diagonal (i - j =
+// ti - tj + 16 (a - b) < 0) and stay zero, 6 of the 16 products skipped.
 __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const float* ks,
                                            int k_pitch, int dk, float (&kk)[kTileRows][kTileRows],
                                            float (&qk)[kTileRows][kTileRows]) {
@@ -140,7 +182,7 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
 #pragma unroll
     for (int a = 0; a < kTileRows; ++a) {
 #pragma unroll
-      for (int b = 0; b < kTileRows; ++b) {
+      for (int b = 0; b <= a; ++b) {
         kk[a][b] = fmaf(kr[a], kc[b], kk[a][b]);
         qk[a][b] = fmaf(qr[a], kc[b], qk[a][b]);
       }
@@ -148,37 +190,111 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
   }
 }
 
+// Four floats read as one 16-byte shared-memory load (the address must be 16-byte aligned:
+// every region of the carve-ups starts at a multiple of C floats and the rows read this way
+// have pitch C).
+struct alignas(16) Vec4 {
+  float v[4];
+};
+__device__ __forceinline__ Vec4 load_vec4(const float* p) {
+#ifdef __CUDA_ARCH__
+  // One ld.shared.v4 by hand: nvcc splits a plain 16-byte load (of this struct or of a
+  // float4) into four scalar loads here. volatile + "memory": never moved across the
+  // barrier that publishes M (ptxas still schedules it among the FMAs).
+  Vec4 r;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return r;
+#else
+  return *reinterpret_cast<const Vec4*>(p);
+#endif
+}
+
+// Note [Register-resident substitution]
+// The triangular solves run one thread per column of the right-hand side, as before, but
+// the column lives in registers (x[C], every index a compile-time constant once the loops
+// are unrolled) and the row of M a step needs comes in 16-byte broadcast loads of a
+// pitch-C copy. A step is then one FMA and a quarter of a load instead of two or three
+// loads, and the sums of a row are still one thread's fixed-order FP32 chain.
+// Forward: row i of X is x_i - sum_{j<i} M_ij X_j, j ascending (the order of the
+// original loop, so the same bits); m[i * C + j] = M_ij.
+__device__ __forceinline__ void forward_substitute(const float* m, float (&x)[kC]) {
+#pragma unroll
+  for (int i = 1; i < kC; ++i) {
+    float y = x[i];
+#pragma unroll
+    for (int j4 = 0; j4 < kC; j4 += 4) {
+      if (j4 < i) {
+        const Vec4 mv = load_vec4(m + i * kC + j4);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          if (j4 + jj < i) y = fmaf(-mv.v[jj], x[j4 + jj], y);
+        }
+      }
+    }
+    x[i] = y;
+  }
+}
+
+// Backward: (I + M)^T is unit upper triangular; row i of the solution is
+// x_i - sum_{j>i} M_ji Y_j with j DESCENDING from C-1: the oldest results come first, so
+// the chains of successive rows overlap instead of each waiting for the row before it to
+// finish (ascending j made the whole solve one dependent chain of C(C-1)/2 FMAs).
+// mt[i * C + j] = M_ji (M transposed).
+__device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC]) {
+#pragma unroll
+  for (int i = kC - 2; i >= 0; --i) {
+    float y = x[i];
+#pragma unroll
+    for (int j4 = kC - 4; j4 >= 0; j4 -= 4) {
+      if (j4 + 3 > i) {
+        const Vec4 mv = load_vec4(mt + i * kC + j4);
+#pragma unroll
+        for (int jj = 3; jj >= 0; --jj) {
+          if (j4 + jj > i) y = fmaf(-mv.v[jj], x[j4 + jj], y);
+        }
+      }
+    }
+    x[i] = y;
+  }
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
 
-// Forward. Shared memory (floats): ks [C][dk+1] K; rs [C][dv+dk+1], first scale*Q (in its
-// first dk columns), then the right-hand side [beta V | beta K exp(G)] solved in place
-// into [U | W]; ms [C][C+1] M; gs, bs, es [C] G, beta, exp(G).
-// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync) the
-// right-hand side -> (sync) forward substitution, one thread per column: row i of [U | W]
-// is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the substitution
-// needs no barrier at all.
+// Forward. Shared memory (floats): ks, qs [C][dk+1] K and scale*Q; ms [C][C] M (pitch C:
+// 16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta, exp(G).
+// 2 C (dk + 1) + C^2 + 3 C floats, 81 KiB at dk = 128 whatever dv: two blocks fit an
+// H100 / H200 SM (the right-hand side no longer sits in shared memory).
+// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync)
+// forward substitution, one thread per column of [U | W] held in registers (Note
+// [Register-resident substitution]): the thread forms its column of the right-hand side
+// [beta V | beta K exp(G)] (V straight from global memory, coalesced across the warp),
+// then row i is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the
+// substitution needs no barrier at all.
 template <typename TIn>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
-  const int kp = dk + 1, rp = cols + 1, mp = kC + 1;
+  const int kp = dk + 1;
   float* ks = smem;
-  float* rs = ks + kC * kp;
-  float* ms = rs + kC * rp;
-  float* gs = ms + kC * mp;
+  float* qs = ks + kC * kp;
+  float* ms = qs + kC * kp;
+  float* gs = ms + kC * kC;
   float* bs = gs + kC;
   float* es = bs + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TIn* v = static_cast<const TIn*>(args.v);
 
-  load_qk<TIn>(args, place, rs, rp, ks, kp);
+  load_qk<TIn>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);  // ends with the cumsum, no barrier
   __syncthreads();
 
   float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-  gram_tiles(rs, rp, ks, kp, dk, kk, qk);
+  gram_tiles(qs, kp, ks, kp, dk, kk, qk);
   const int ti = tid / kSide, tj = tid % kSide;
   float* p = args.p + place.block * kC * kC;
   for (int a = 0; a < kTileRows; ++a) {
@@ -186,7 +302,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
       const int i = ti + kSide * a, j = tj + kSide * b;
       // exp only where i >= j: above the diagonal G_i - G_j > 0 could overflow.
       const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-      ms[i * mp + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
+      ms[i * kC + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
       p[i * kC + j] = qk[a][b] * l;
     }
   }
@@ -195,36 +311,33 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* kend = args.kend + place.block * kC * dk;
   for (int e = tid; e < kC * dk; e += kThreads) {
     const int i = e / dk, c = e % dk;
-    qd[e] = rs[i * rp + c] * es[i];
+    qd[e] = qs[i * kp + c] * es[i];
     kend[e] = ks[i * kp + c] * expf(g_last - gs[i]);
   }
   if (tid == 0) args.g_last[place.block] = g_last;
-  __syncthreads();  // Q in rs is read for the last time above
-
-  for (int e = tid; e < kC * dv; e += kThreads) {
-    const int i = e / dv, c = e % dv;
-    const float vv =
-        i < place.rows ? load_float(v + input_row(args.v_strides, place, i) + c) : 0.0f;
-    rs[i * rp + c] = vv * bs[i];
-  }
-  for (int e = tid; e < kC * dk; e += kThreads) {
-    const int i = e / dk, c = e % dk;
-    rs[i * rp + dv + c] = (ks[i * kp + c] * bs[i]) * es[i];
-  }
-  __syncthreads();
+  __syncthreads();  // M complete
 
   float* u = args.u + place.block * kC * dv;
   float* w = args.w + place.block * kC * dk;
   for (int c = tid; c < cols; c += kThreads) {
-    for (int i = 0; i < kC; ++i) {
-      float x = rs[i * rp + c];
-      for (int j = 0; j < i; ++j) x = fmaf(-ms[i * mp + j], rs[j * rp + c], x);
-      rs[i * rp + c] = x;
-      if (c < dv) {
-        u[i * dv + c] = x;
-      } else {
-        w[i * dk + c - dv] = x;
+    float x[kC];
+    if (c < dv) {
+      const TIn* vc = v + input_row(args.v_strides, place, 0) + c;
+      const long long token = args.v_strides.token;
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        const float vv = i < place.rows ? load_float(vc + i * token) : 0.0f;
+        x[i] = vv * bs[i];
       }
+      forward_substitute(ms, x);
+#pragma unroll
+      for (int i = 0; i < kC; ++i) u[i * dv + c] = x[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) x[i] = (ks[i * kp + c - dv] * bs[i]) * es[i];
+      forward_substitute(ms, x);
+#pragma unroll
+      for (int i = 0; i < kC; ++i) w[i * dk + c - dv] = x[i];
     }
   }
 }
@@ -232,14 +345,17 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h). Shared
 // memory (floats): ks, qs [C][dk+1] K and scale*Q; rs [C][dv+dk+1] [dU | dW] solved in
 // place into dR = (I + M)^-T [dU | dW]; kl [C][C+1] (K K^T) * L strictly below the
-// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] dM, later
-// dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column slab of [U | W]; gs, bs, es, dgs, fs [C].
-// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, pm and [dU | dW]
-// -> rs; 2 back substitution per column (row i of dR is dX_i - sum_{j>i} M_ji dR_j, j in
-// order); 3 dM = -dR X^T below the diagonal, X streamed through xs; 4 elementwise
-// C x C: E, dM .* kl, dKK, dQK; 5 one thread per row: dbeta and the row part of dG
-// (thread 0 then adds the G_last terms and runs the reverse cumsum into dg); 6 one
-// thread per column of dk, dq over DK/ (256/DK)-row stripes, and dv.
+// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] first M^T
+// at pitch C (phases 1-2), then dM, later dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column
+// slab of [U | W], later the phase 5 partial sums; gs, bs, es, dgs, fs [C].
+// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, M^T, pm and
+// [dU | dW] -> rs; 2 back substitution per column in registers (row i of dR is
+// dX_i - sum_{j>i} M_ji dR_j, j descending: Note [Register-resident substitution]); 3 dM =
+// -dR X^T below the diagonal, X streamed through xs; 4 elementwise C x C: E, dM .* kl,
+// dKK, dQK; 5 four threads per row, each a quarter of every row sum, then one thread per
+// row adds the quarters in order: dbeta and the row part of dG (thread 0 then adds the
+// G_last terms and runs the reverse cumsum into dg); 6 dk, dq as register tiles (4 rows x
+// DK/16 columns per thread), and dv.
 template <typename TIn, int DK>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
@@ -277,46 +393,61 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       for (int b = 0; b < kTileRows; ++b) {
         const int i = ti + kSide * a, j = tj + kSide * b;
         const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-        kl[i * mp + j] = i > j ? kk[a][b] * l : 0.0f;
+        const float klv = i > j ? kk[a][b] * l : 0.0f;
+        kl[i * mp + j] = klv;
+        d1[j * kC + i] = bs[i] * klv;  // M^T: M_ij = beta_i kl_ij
         pm[i * mp + j] = qk[a][b] * l;
       }
     }
   }
-  for (int e = tid; e < kC * dv; e += kThreads) {
-    rs[(e / dv) * rp + e % dv] = args.grad_u ? args.grad_u[chunk_dv + e] : 0.0f;
-  }
-  for (int e = tid; e < kC * DK; e += kThreads) {
-    rs[(e / DK) * rp + dv + e % DK] = args.grad_w ? args.grad_w[chunk_dk + e] : 0.0f;
-  }
+  copy_rows(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
+  copy_rows(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
   __syncthreads();
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
   for (int c = tid; c < cols; c += kThreads) {
-    for (int i = kC - 1; i >= 0; --i) {
-      float y = rs[i * rp + c];
-      for (int j = i + 1; j < kC; ++j) y = fmaf(-(bs[j] * kl[j * mp + i]), rs[j * rp + c], y);
-      rs[i * rp + c] = y;
-    }
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) x[i] = rs[i * rp + c];
+    back_substitute(d1, x);
+#pragma unroll
+    for (int i = 0; i < kC; ++i) rs[i * rp + c] = x[i];
   }
   __syncthreads();
 
-  // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W].
+  // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W]. The next slab
+  // of X is fetched into registers before the current one is multiplied, so its global
+  // latency hides behind the FMAs. Tiles above the diagonal (a < b) are skipped, as in
+  // gram_tiles.
   {
     const int ti = tid / kSide, tj = tid % kSide;
     float acc[kTileRows][kTileRows];
     for (int a = 0; a < kTileRows; ++a) {
       for (int b = 0; b < kTileRows; ++b) acc[a][b] = 0.0f;
     }
+    constexpr int kSlabLoads = kC * kSlab / kThreads;
+    static_assert(kC * kSlab % kThreads == 0, "slabs split evenly over the threads");
+    float next[kSlabLoads];
+    auto fetch_slab = [&](int c0) {
+#pragma unroll
+      for (int m = 0; m < kSlabLoads; ++m) {
+        const int e = tid + kThreads * m;
+        const int j = e / kSlab, c = c0 + e % kSlab;
+        next[m] = c >= cols ? 0.0f
+                  : c < dv  ? args.u[chunk_dv + j * dv + c]
+                            : args.w[chunk_dk + j * DK + c - dv];
+      }
+    };
+    fetch_slab(0);
     for (int c0 = 0; c0 < cols; c0 += kSlab) {
       const int width = cols - c0 < kSlab ? cols - c0 : kSlab;
-      for (int e = tid; e < kC * kSlab; e += kThreads) {
-        const int j = e / kSlab, cc = e % kSlab, c = c0 + cc;
-        float x = 0.0f;
-        if (cc < width)
-          x = c < dv ? args.u[chunk_dv + j * dv + c] : args.w[chunk_dk + j * DK + c - dv];
-        xs[j * xp + cc] = x;
+#pragma unroll
+      for (int m = 0; m < kSlabLoads; ++m) {
+        const int e = tid + kThreads * m;
+        xs[(e / kSlab) * xp + e % kSlab] = next[m];
       }
       __syncthreads();
+      if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
       for (int cc = 0; cc < width; ++cc) {
         float dr[kTileRows], x[kTileRows];
 #pragma unroll
@@ -327,7 +458,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
         for (int a = 0; a < kTileRows; ++a) {
 #pragma unroll
-          for (int b = 0; b < kTileRows; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
+          for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
         }
       }
       __syncthreads();
@@ -343,12 +474,20 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 4. E_ij = dL_ij L_ij for i > j (the diagonal's G_i - G_i cancels), with
   // dL = dM beta_i (K K^T) + dP (Q K^T); dKK = dM beta_i L; dQK = dP L (diagonal kept).
+  // dP is read into registers first (Note [Batched global loads]).
   const float* grad_p = args.grad_p ? args.grad_p + place.block * kC * kC : nullptr;
-  for (int e = tid; e < kC * kC; e += kThreads) {
+  constexpr int kPerThread = kC * kC / kThreads;
+  static_assert(kC * kC % kThreads == 0, "C x C splits evenly over the threads");
+  float dps[kPerThread];
+#pragma unroll
+  for (int m = 0; m < kPerThread; ++m) dps[m] = grad_p ? grad_p[tid + kThreads * m] : 0.0f;
+#pragma unroll
+  for (int m = 0; m < kPerThread; ++m) {
+    const int e = tid + kThreads * m;
     const int i = e / kC, j = e % kC;
     const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
     const float dm = d1[i * mp + j];
-    const float dp = grad_p ? grad_p[e] : 0.0f;
+    const float dp = dps[m];
     const float klv = kl[i * mp + j];
     pm[i * mp + j] = i > j ? bs[i] * dm * klv + dp * pm[i * mp + j] : 0.0f;
     kl[i * mp + j] = dm * klv;
@@ -357,34 +496,91 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   }
   __syncthreads();
 
-  // Phase 5: row sums, one thread per row, c and j in order. Row i of a pitch-odd matrix
-  // starts in bank i: 32 threads walking their rows hit 32 banks.
+  // Phase 5: row sums in four quarters. Thread (i = tid % C, quarter = tid / C) sums its
+  // quarter of the c and j ranges in order; a warp is 32 consecutive rows of one quarter,
+  // and row i of a pitch-odd matrix starts in bank i, so its reads hit 32 banks. Then one
+  // thread per row adds the four quarters in order (a fixed order, so the same bits every
+  // run).
   const float g_last = gs[kC - 1];
   const float* grad_qd = args.grad_qd ? args.grad_qd + chunk_dk : nullptr;
   const float* grad_kend = args.grad_kend ? args.grad_kend + chunk_dk : nullptr;
-  if (tid < kC) {
-    const int i = tid;
+  constexpr int kQuarters = kThreads / kC;
+  constexpr int kSums = 7;
+  static_assert(kQuarters == 4 && kC % kQuarters == 0 && DK % kQuarters == 0,
+                "four threads per row, whole quarters");
+  static_assert(kQuarters * kSums * kC <= kC * (kSlab + 1), "partials fit the slab buffer");
+  float* part = xs;  // [quarter][sum][C]; xs is free after phase 3
+  {
+    const int i = tid % kC, quarter = tid / kC;
     const bool real = i < place.rows;
     const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
-    for (int c = 0; c < dv; ++c) {
-      if (real) su = fmaf(load_float(v + v_row + c), rs[i * rp + c], su);
+    const int v_width = dv / kQuarters, k_width = DK / kQuarters, j_width = kC / kQuarters;
+    // Global operands come kLoadBatch at a time (Note [Batched global loads]); every sum
+    // still runs over c in order.
+    const int v_end = (quarter + 1) * v_width, k_end = (quarter + 1) * k_width;
+    for (int c0 = quarter * v_width; c0 < v_end; c0 += kLoadBatch) {
+      float vv[kLoadBatch];
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        vv[m] = real && c0 + m < v_end ? load_float(v + v_row + c0 + m) : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        if (real && c0 + m < v_end) su = fmaf(vv[m], rs[i * rp + c0 + m], su);
+      }
     }
-    for (int c = 0; c < DK; ++c) {
-      const float kv = ks[i * kp + c];
-      sk = fmaf(kv, rs[i * rp + dv + c], sk);
-      if (grad_qd) sq = fmaf(grad_qd[i * DK + c], qs[i * kp + c], sq);
-      if (grad_kend) sf = fmaf(grad_kend[i * DK + c], kv, sf);
+    for (int c0 = quarter * k_width; c0 < k_end; c0 += kLoadBatch) {
+      float gq[kLoadBatch], gk[kLoadBatch];
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        const bool in = c0 + m < k_end;
+        gq[m] = grad_qd && in ? grad_qd[i * DK + c0 + m] : 0.0f;
+        gk[m] = grad_kend && in ? grad_kend[i * DK + c0 + m] : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kLoadBatch; ++m) {
+        const int c = c0 + m;
+        if (c >= k_end) continue;
+        const float kv = ks[i * kp + c];
+        sk = fmaf(kv, rs[i * rp + dv + c], sk);
+        if (grad_qd) sq = fmaf(gq[m], qs[i * kp + c], sq);
+        if (grad_kend) sf = fmaf(gk[m], kv, sf);
+      }
     }
-    for (int j = 0; j < kC; ++j) {
+    for (int j = quarter * j_width; j < (quarter + 1) * j_width; ++j) {
       sb += kl[i * mp + j];
       row_e += pm[i * mp + j];
       col_e += pm[j * mp + i];
     }
+    float* out = part + quarter * kSums * kC + i;
+    out[0 * kC] = su;
+    out[1 * kC] = sk;
+    out[2 * kC] = sq;
+    out[3 * kC] = sf;
+    out[4 * kC] = sb;
+    out[5 * kC] = row_e;
+    out[6 * kC] = col_e;
+  }
+  __syncthreads();
+  if (tid < kC) {
+    const int i = tid;
+    float sum[kSums];
+#pragma unroll
+    for (int n = 0; n < kSums; ++n) {
+      sum[n] = part[n * kC + i];
+      for (int quarter = 1; quarter < kQuarters; ++quarter) {
+        sum[n] += part[(quarter * kSums + n) * kC + i];
+      }
+    }
+    const float su = sum[0], sk = sum[1], sq = sum[2], sf = sum[3], sb = sum[4];
+    const float row_e = sum[5], col_e = sum[6];
     const float f = expf(g_last - gs[i]) * sf;
     fs[i] = f;
     dgs[i] = bs[i] * es[i] * sk + es[i] * sq - f + row_e - col_e;
-    if (real) args.dbeta[place.row0 + static_cast<long long>(i) * s.heads] = su + es[i] * sk + sb;
+    if (i < place.rows) {
+      args.dbeta[place.row0 + static_cast<long long>(i) * s.heads] = su + es[i] * sk + sb;
+    }
   }
   __syncthreads();
   if (tid == 0) {
@@ -402,36 +598,68 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 6: dK_ic = sum_j (dKK_ij + dKK_ji) K_jc + dQK_ji Q_jc + beta_i exp(G_i) dRw_ic
   // + dKend_ic exp(G_last - G_i);  dQ_ic = sum_j dQK_ij K_jc + dQd_ic exp(G_i);
-  // dq = scale dQ. Thread: column c = tid % DK, rows r0, r0 + stride, ...; a warp shares
-  // its rows, so the C x C reads are broadcasts.
+  // dq = scale dQ, j in order for every element. Thread (tr, tc) = (tid / 16, tid % 16)
+  // owns rows tr + 16a (a < 4) and columns tc + 16b (b < DK/16): per j it loads 16 C x C
+  // values and 2 DK/16 of K, Q for 12 DK/16 FMAs. A warp is two rows of threads: its
+  // K, Q reads are 16 consecutive words (broadcast to both rows), its C x C reads two words.
   {
-    constexpr int kStride = kThreads / DK;
-    constexpr int kRows = kC / kStride;
-    static_assert(kThreads % DK == 0 && kC % kStride == 0, "dk must tile the block");
-    const int c = tid % DK, r0 = tid / DK;
-    float acc_k[kRows], acc_q[kRows];
+    constexpr int kColThreads = 16;
+    constexpr int kRowThreads = kThreads / kColThreads;
+    constexpr int kRows = kC / kRowThreads;
+    constexpr int kCols = DK / kColThreads;
+    static_assert(kThreads % kColThreads == 0 && kC % kRowThreads == 0 && DK % kColThreads == 0,
+                  "dk, dq tiles cover the chunk");
+    const int tr = tid / kColThreads, tc = tid % kColThreads;
+    float acc_k[kRows][kCols], acc_q[kRows][kCols];
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) acc_k[m] = acc_q[m] = 0.0f;
+    for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
+    }
     for (int j = 0; j < kC; ++j) {
-      const float kj = ks[j * kp + c], qj = qs[j * kp + c];
+      float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
 #pragma unroll
-      for (int m = 0; m < kRows; ++m) {
-        const int i = r0 + kStride * m;
-        acc_k[m] = fmaf(d1[i * mp + j] + d1[j * mp + i], kj, acc_k[m]);
-        acc_k[m] = fmaf(d2[j * mp + i], qj, acc_k[m]);
-        acc_q[m] = fmaf(d2[i * mp + j], kj, acc_q[m]);
+      for (int b = 0; b < kCols; ++b) {
+        kj[b] = ks[j * kp + tc + kColThreads * b];
+        qj[b] = qs[j * kp + tc + kColThreads * b];
+      }
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        skk[a] = d1[i * mp + j] + d1[j * mp + i];
+        dqk_ji[a] = d2[j * mp + i];
+        dqk_ij[a] = d2[i * mp + j];
+      }
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
+          acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
+          acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+        }
       }
     }
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-      const int i = r0 + kStride * m;
+    for (int a = 0; a < kRows; ++a) {
+      const int i = tr + kRowThreads * a;
       if (i >= place.rows) continue;
-      const float dkend = grad_kend ? grad_kend[i * DK + c] : 0.0f;
-      const float dqd = grad_qd ? grad_qd[i * DK + c] : 0.0f;
-      const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
-      store_float(static_cast<TIn*>(args.dk) + at,
-                  acc_k[m] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend * expf(g_last - gs[i]));
-      store_float(static_cast<TIn*>(args.dq) + at, (acc_q[m] + dqd * es[i]) * s.scale);
+      const float decay_end = expf(g_last - gs[i]);
+      float dkend[kCols], dqd[kCols];  // loaded before the stores: Note [Batched global loads]
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) {
+        const int c = tc + kColThreads * b;
+        dkend[b] = grad_kend ? grad_kend[i * DK + c] : 0.0f;
+        dqd[b] = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) {
+        const int c = tc + kColThreads * b;
+        const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
+        store_float(static_cast<TIn*>(args.dk) + at,
+                    acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end);
+        store_float(static_cast<TIn*>(args.dq) + at, (acc_q[a][b] + dqd[b] * es[i]) * s.scale);
+      }
     }
   }
   for (int e = tid; e < kC * dv; e += kThreads) {

@@ -13,6 +13,7 @@
 #include <pthread.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -57,6 +58,9 @@ template <typename Args, typename Body>
 void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
   const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
   std::vector<float> smem(smem_floats);
+  // The bodies read some shared rows as 16-byte vectors (ld.shared.v4 on the GPU, whose
+  // dynamic shared memory is at least 16-byte aligned); the host buffer must match.
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(smem.data()) % 16, 0u);
   pthread_barrier_init(&g_block_barrier, nullptr, kChunkPrepThreads);
   for (int64_t b = 0; b < blocks; ++b) {
     std::fill(smem.begin(), smem.end(), NAN);
@@ -214,7 +218,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
                                            Case{1, 130, 1, 128, 128, at::kBFloat16, true},
                                            Case{1, 30, 2, 64, 48, at::kBFloat16, false},
                                            Case{2, 70, 2, 64, 32, at::kFloat, true, true},
-                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true}),
+                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true},
+                                           // The model's head dims at the GPU test's T tails;
+                                           // dv = 208 (dk 128) and 272 (dk 64), the largest
+                                           // supported, take a second column per thread in
+                                           // the triangular solves (dv + dk > 256 threads).
+                                           Case{1, 200, 1, 128, 128, at::kFloat, true},
+                                           Case{1, 2085, 1, 128, 128, at::kFloat, true},
+                                           Case{1, 64, 2, 128, 128, at::kBFloat16, true},
+                                           Case{2, 200, 1, 128, 128, at::kFloat, true, true},
+                                           Case{2, 130, 1, 128, 128, at::kBFloat16, false, true},
+                                           Case{1, 130, 1, 128, 208, at::kFloat, true},
+                                           Case{1, 70, 1, 64, 272, at::kBFloat16, true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return describe(info.param);
                          });
