@@ -70,33 +70,7 @@ struct Shape {
   int64_t tokens, heads;
 };
 
-// --plans: what the launchers chose for this shape (kernels/pre_gdr_gate.h plans), printed
-// under the table so that a timing can be read against vector width, block shape and grid.
-void print_plans(const Shape& shape, at::ScalarType dtype, const at::Tensor& a, const at::Tensor& b,
-                 const std::string& atomic_tile, const kernels::GateBackwardLaunch& atomic,
-                 const std::string& ordered_tile, const kernels::GateBackwardLaunch& ordered) {
-  kernels::GateForwardArgs args;
-  args.shape = {1, shape.tokens, shape.heads};
-  args.input_kind =
-      dtype == at::kFloat ? kernels::ScalarKind::kFloat32 : kernels::ScalarKind::kBFloat16;
-  args.a = {a.data_ptr(), 0, a.stride(1), a.stride(2)};
-  args.b = {b.data_ptr(), 0, b.stride(1), b.stride(2)};
-  const kernels::GateForwardPlan fwd = kernels::plan_gate_forward(args);
-  auto describe = [](const kernels::GateBackwardLaunch& l) {
-    return "vec " + std::to_string(l.vec) + " lanes " + std::to_string(l.lanes) + " rows " +
-           std::to_string(l.rows) + " threads " + std::to_string(l.threads) + " programs " +
-           std::to_string(l.num_programs());
-  };
-  std::printf(
-      "plan tokens=%lld heads=%lld %s forward: vec %d block %dx%d items %d grid %lld vector %d | "
-      "backward atomic [%s] %s | ordered [%s] %s\n",
-      static_cast<long long>(shape.tokens), static_cast<long long>(shape.heads),
-      c10::toString(dtype), fwd.vec, fwd.block_x, fwd.block_y, fwd.items,
-      static_cast<long long>(fwd.grid), fwd.a.vector ? 1 : 0, atomic_tile.c_str(),
-      describe(atomic).c_str(), ordered_tile.c_str(), describe(ordered).c_str());
-}
-
-void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, bool print_plans_too) {
+void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   at::Tensor a = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
   at::Tensor b = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
@@ -125,19 +99,16 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
   auto backward = [&] { pre_gdr_gate_backward(grad_g, grad_beta, a, b, A_log, dt_bias); };
   Timing bwd_atomic, bwd_ordered;
   std::string atomic_tile, ordered_tile;
-  kernels::GateBackwardLaunch atomic_launch, ordered_launch;
   {
     DeterministicModeGuard mode(false);
     bwd_atomic = time_both(backward);
     atomic_tile = kernels::to_string(pre_gdr_gate_last_backward().tile);
-    atomic_launch = pre_gdr_gate_last_backward().launch;
   }
   Timing bwd_two_pass;
   {
     DeterministicModeGuard mode(true);
     bwd_ordered = time_both(backward);
     ordered_tile = kernels::to_string(pre_gdr_gate_last_backward().tile);
-    ordered_launch = pre_gdr_gate_last_backward().launch;
     if (pre_gdr_gate_last_backward().reduction == kernels::GateReduction::kOrderedSinglePass) {
       ordered_tile += " single-pass";
     }
@@ -177,9 +148,6 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
       composite_fb.eager * 1e3, composite_fb.graph * 1e3, composite_fb.eager / fused_fb.eager,
       composite_fb.graph / fused_fb.graph);
   std::fflush(stdout);
-  if (print_plans_too) {
-    print_plans(shape, dtype, a, b, atomic_tile, atomic_launch, ordered_tile, ordered_launch);
-  }
 
   if (!print_tiles) return;
   const kernels::GateShape gshape{1, shape.tokens, shape.heads};
@@ -209,26 +177,22 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
 
 int main(int argc, char** argv) {
   bool print_tiles = false;
-  bool print_plans = false;
   std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
   std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kFloat};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: pre_gdr_gate_bench [--tiles] [--plans] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
+          "usage: pre_gdr_gate_bench [--tiles] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
           "  --tiles   also time every candidate tile of the backward in both modes (BF16)\n"
-          "  --plans   also print each shape's kernel plans (vector width, blocks, grid)\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;
     }
     if (arg == "--tiles") {
       print_tiles = true;
-    } else if (arg == "--plans") {
-      print_plans = true;
     } else if (arg.rfind("--shapes=", 0) == 0) {
       shapes.clear();
       std::stringstream list(arg.substr(9));
@@ -274,11 +238,11 @@ int main(int argc, char** argv) {
       "composite fwd+bwd | composite/fused |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (at::ScalarType dtype : dtypes) {
-    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false, print_plans);
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false);
   }
   if (print_tiles) {
     std::printf("\n");
-    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true, false);
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true);
   }
   return 0;
 }

@@ -1,65 +1,172 @@
-// CUDA kernels of the pre-GDR gate (forward, backward, ordered partial reduction): the
-// __global__ wrappers around the bodies in kernels/pre_gdr_gate_kernel.cuh and their
-// launchers.
+// CUDA kernels of the pre-GDR gate (forward, backward, ordered partial reduction).
 //
 // Why two reduction modes: the backward sums dg * g and da over every token of the batch
 // into per-head A_log / dt_bias gradients. Atomics make that one cheap pass, but the
 // order of the float additions then depends on block scheduling, so bits change from run
 // to run. The ordered mode writes one FP32 partial row per token-program instead (every
 // slot written exactly once: no atomics, no zero-fill) and a second kernel on the same
-// stream sums the rows in an order fixed by the row count alone. Inside a program both
-// modes sum in the same fixed order (Note [Gate head vectors]); only the emission differs,
-// and the atomics of the default mode are here, in gate_backward_kernel, not in the .cuh.
+// stream sums the rows in an order fixed by the row count alone.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "kernels/pre_gdr_gate.h"
-
-namespace gdr::kernels {
-
-// The primitives kernels/pre_gdr_gate_kernel.cuh expects (see its NOTE).
-__device__ __forceinline__ float gate_fast_rcp(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ unsigned gate_pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-__device__ __forceinline__ unsigned gate_pack_half2(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-__device__ __forceinline__ float gate_half_to_float(unsigned bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-
-}  // namespace gdr::kernels
-
-#include "kernels/pre_gdr_gate_kernel.cuh"
+#include "kernels/pre_gdr_gate_math.h"
 
 namespace gdr::kernels {
 namespace {
 
-using gate_detail::Bf16;
-using gate_detail::Half;
+__device__ __forceinline__ float load_as_float(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(__ldg(p)); }
+__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) {
+  return __bfloat162float(__ldg(p));
+}
+
+__device__ __forceinline__ void store_from_float(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_from_float(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+
+// Division by a runtime constant as a multiply-high and a shift (the magic-number method
+// PyTorch's IntDivider uses): the kernels divide twice per element (flat index -> token,
+// token -> (i0, i1)), and a hardware-less integer divide costs more than the math.
+// Valid for dividends and divisors below 2^31.
+struct FastDivider32 {
+  uint32_t divisor = 1, magic = 0, shift = 0;
+  FastDivider32() = default;
+  explicit FastDivider32(uint32_t d) : divisor(d) {
+    for (shift = 0; shift < 32; ++shift) {
+      if ((uint32_t{1} << shift) >= divisor) break;
+    }
+    const uint64_t one = 1;
+    magic = static_cast<uint32_t>(((one << 32) * ((one << shift) - divisor)) / divisor + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    const uint32_t t = __umulhi(n, magic);
+    return (t + n) >> shift;
+  }
+};
+
+template <typename Index>
+struct Divider {  // 64-bit fallback: plain division
+  Index divisor;
+  Divider() = default;
+  explicit Divider(Index d) : divisor(d) {}
+  __device__ __forceinline__ Index div(Index n) const { return n / divisor; }
+};
+
+template <typename Index>
+using DividerFor =
+    std::conditional_t<std::is_same_v<Index, int32_t>, FastDivider32, Divider<Index>>;
+
+// Token index -> (i0, i1) of a strided [dim0, dim1, heads] operand. Index is 32-bit when
+// the whole problem fits, since 64-bit arithmetic costs several times more.
+template <typename Index>
+struct TokenDecoder {
+  DividerFor<Index> dim1;
+  __device__ __forceinline__ void split(Index token, Index& i0, Index& i1) const {
+    i0 = static_cast<Index>(dim1.div(token));
+    i1 = token - i0 * static_cast<Index>(dim1.divisor);
+  }
+};
+
+// Element offset of (i0, i1, h). kFlat: every operand is contiguous [tokens, heads], so the
+// offset is the flat index and no token split is needed; this is the common case and it
+// saves the divisions and multiplies that otherwise make these kernels instruction-bound.
+template <typename Index>
+__device__ __forceinline__ Index strided_offset(const StridedOperand& op, Index i0, Index i1,
+                                                Index h) {
+  return i0 * static_cast<Index>(op.stride0) + i1 * static_cast<Index>(op.stride1) +
+         h * static_cast<Index>(op.stride_h);
+}
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-// No min-blocks hint: capping registers for full occupancy made the previous forward 35%
-// slower on the H200; with 16-byte loads a quarter of the threads keep enough bytes in
-// flight.
-template <typename In, int V, bool kSplit>
-__global__ void __launch_bounds__(kForwardThreads) gate_forward_kernel(GateForwardPlan plan) {
-  __shared__ float table[2 * kForwardTableHeads];
-  gate_detail::gate_forward_block<In, V, kSplit>(plan, table);
+// Each thread handles kForwardItemsPerThread elements kForwardThreads apart (coalesced per
+// instruction). All loads are issued before any store: without that, the compiler must
+// assume g/beta stores may alias a/b and serialises load -> store -> load, leaving too
+// few bytes in flight to approach HBM bandwidth.
+// Large problems take 8 items per thread (more bytes in flight per thread); small ones 2,
+// so that the grid still covers every SM (131k elements at the 0.8B shape would
+// otherwise be 64 blocks on a 132-SM GPU).
+constexpr int kForwardThreads = 256;
+constexpr int kForwardItemsLarge = 8;
+constexpr int kForwardItemsSmall = 2;
+constexpr int64_t kForwardSmallLimit = int64_t{1} << 21;
+
+// Per-head constants (-exp(A_log), dt_bias) come from a shared-memory table when the head
+// count fits, so the per-element work is the activation math alone.
+constexpr int kForwardTableHeads = 1024;
+
+// No min-blocks hint: capping registers at 32 for full occupancy made this kernel 35%
+// slower on the H200 (ncu at 65536 x 64 BF16: SM 68%, DRAM 23%; it is issue-bound on
+// the accurate expf/log1pf, not latency-bound).
+template <typename In, typename Param, typename Index, bool kFlat, int kForwardItemsPerThread>
+__global__ void __launch_bounds__(kForwardThreads)
+    gate_forward_kernel(GateForwardArgs args, Index total, DividerFor<Index> heads,
+                        TokenDecoder<Index> dec) {
+  __shared__ float neg_exp_A_table[kForwardTableHeads];
+  __shared__ float dt_table[kForwardTableHeads];
+  const In* a = static_cast<const In*>(args.a.data);
+  const In* b = static_cast<const In*>(args.b.data);
+  const Param* A_log = static_cast<const Param*>(args.A_log);
+  const Param* dt_bias = static_cast<const Param*>(args.dt_bias);
+  const Index num_heads = static_cast<Index>(heads.divisor);
+  const bool use_table = num_heads <= kForwardTableHeads;
+  if (use_table) {
+    for (Index h = threadIdx.x; h < num_heads; h += kForwardThreads) {
+      neg_exp_A_table[h] = -expf(load_as_float(A_log + h));
+      dt_table[h] = load_as_float(dt_bias + h);
+    }
+    __syncthreads();
+  }
+  const Index base =
+      static_cast<Index>(blockIdx.x) * (kForwardThreads * kForwardItemsPerThread) + threadIdx.x;
+  float a_val[kForwardItemsPerThread], b_val[kForwardItemsPerThread];
+  Index head[kForwardItemsPerThread];
+#pragma unroll
+  for (int item = 0; item < kForwardItemsPerThread; ++item) {
+    const Index e = base + item * kForwardThreads;
+    if (e < total) {
+      const Index token = static_cast<Index>(heads.div(e));
+      const Index h = e - token * num_heads;
+      head[item] = h;
+      if constexpr (kFlat) {
+        a_val[item] = load_as_float(a + e);
+        b_val[item] = load_as_float(b + e);
+      } else {
+        Index i0, i1;
+        dec.split(token, i0, i1);
+        a_val[item] = load_as_float(a + strided_offset(args.a, i0, i1, h));
+        b_val[item] = load_as_float(b + strided_offset(args.b, i0, i1, h));
+      }
+    }
+  }
+#pragma unroll
+  for (int item = 0; item < kForwardItemsPerThread; ++item) {
+    const Index e = base + item * kForwardThreads;
+    if (e < total) {
+      const Index h = head[item];
+      const float neg_exp_A = use_table ? neg_exp_A_table[h] : -expf(load_as_float(A_log + h));
+      const float dt = use_table ? dt_table[h] : load_as_float(dt_bias + h);
+      args.g[e] = neg_exp_A * gate_softplus(a_val[item] + dt);
+      args.beta[e] = gate_sigmoid(b_val[item]);
+    }
+  }
 }
+
+// One program = block_t tokens x block_h heads. Thread (row, lane) owns head
+// blockIdx.y * block_h + lane and walks tokens row, row + rows, ... of the tile in batches
+// of kBackwardBatch (all loads of a batch before its stores, as in the forward), keeping
+// its two per-head sums in registers in token order; the rows are then combined in
+// shared memory in row order. The in-block sum is thus a fixed order in every mode.
+constexpr int kBackwardBatch = 4;
 
 // Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
 // its partial row, then takes a ticket from an unsigned counter; the program that draws
@@ -68,47 +175,110 @@ __global__ void __launch_bounds__(kForwardThreads) gate_forward_kernel(GateForwa
 // resets the counter to 0 for the next launch on its stream. The integer ticket only
 // elects who sums; it carries no data, so the float sums have one fixed order (a pure
 // function of programs_t and the tile) whatever the scheduling. It saves the second
-// launch of the two-pass variant.
+// launch of the two-pass variant, which dominates at small (launch-bound) shapes.
 constexpr int kSinglePassMaxGroups = 4;  // 2 * heads <= 32 * 4 slots
 static_assert(kSinglePassMaxGroups * 32 == 2 * kSinglePassMaxHeads, "keep in sync");
 
-template <typename In, int V, bool kSplit, GateReduction kMode>
-__global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned int* ticket,
-                                     void* dA_log, void* ddt_bias) {
-  extern __shared__ float smem[];
+template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
+__global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
+                                     TokenDecoder<Index> dec, int block_t, int block_h,
+                                     float* out) {
+  extern __shared__ float row_sums[];  // [2][rows][block_h]
   __shared__ bool is_last_program;
-  float total_A_log[V], total_dt_bias[V];
-  int h0 = 0;
-  const int64_t heads = plan.heads;
-  if (gate_detail::gate_backward_program<In, V, kSplit>(plan, smem, total_A_log, total_dt_bias,
-                                                        h0)) {
-    if constexpr (kMode == GateReduction::kAtomic) {
+  const In* a = static_cast<const In*>(args.a.data);
+  const In* b = static_cast<const In*>(args.b.data);
+  const float* grad_g = static_cast<const float*>(args.grad_g.data);
+  const float* grad_beta = static_cast<const float*>(args.grad_beta.data);
+  In* da = static_cast<In*>(args.da);
+  In* db = static_cast<In*>(args.db);
+
+  const int rows = blockDim.x / block_h;
+  const int lane = threadIdx.x % block_h;
+  const int row = threadIdx.x / block_h;
+  const Index h = static_cast<Index>(blockIdx.y) * block_h + lane;
+  const Index t_begin = static_cast<Index>(blockIdx.x) * block_t;
+  const Index t_end = min(t_begin + static_cast<Index>(block_t), tokens);
+
+  float sum_A_log = 0.0f;
+  float sum_dt_bias = 0.0f;
+  if (h < heads) {
+    const float neg_exp_A = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
+    const float dt = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
+    for (Index t0 = t_begin + row; t0 < t_end; t0 += kBackwardBatch * rows) {
+      float a_val[kBackwardBatch], b_val[kBackwardBatch], dg[kBackwardBatch], dbeta[kBackwardBatch];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        atomicAdd(out + h0 + j, total_A_log[j]);
-        atomicAdd(out + heads + h0 + j, total_dt_bias[j]);
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        const Index t = t0 + k * rows;
+        if (t < t_end) {
+          if constexpr (kFlat) {
+            const Index e = t * heads + h;
+            a_val[k] = load_as_float(a + e);
+            b_val[k] = load_as_float(b + e);
+            dg[k] = load_as_float(grad_g + e);
+            dbeta[k] = load_as_float(grad_beta + e);
+          } else {
+            Index i0, i1;
+            dec.split(t, i0, i1);
+            a_val[k] = load_as_float(a + strided_offset(args.a, i0, i1, h));
+            b_val[k] = load_as_float(b + strided_offset(args.b, i0, i1, h));
+            dg[k] = load_as_float(grad_g + strided_offset(args.grad_g, i0, i1, h));
+            dbeta[k] = load_as_float(grad_beta + strided_offset(args.grad_beta, i0, i1, h));
+          }
+        }
       }
+#pragma unroll
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        const Index t = t0 + k * rows;
+        if (t < t_end) {
+          float softplus, softplus_grad;
+          gate_softplus_and_grad(a_val[k] + dt, softplus, softplus_grad);
+          const float g = neg_exp_A * softplus;
+          const float da_value = dg[k] * (neg_exp_A * softplus_grad);
+          const float beta = gate_sigmoid(b_val[k]);
+          const Index e = t * heads + h;
+          store_from_float(da + e, da_value);
+          store_from_float(db + e, dbeta[k] * beta * (1.0f - beta));
+          sum_A_log += dg[k] * g;
+          sum_dt_bias += da_value;
+        }
+      }
+    }
+  }
+  row_sums[row * block_h + lane] = sum_A_log;
+  row_sums[(rows + row) * block_h + lane] = sum_dt_bias;
+  __syncthreads();
+  if (row == 0 && h < heads) {
+    float total_A_log = 0.0f;
+    float total_dt_bias = 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      total_A_log += row_sums[r * block_h + lane];
+      total_dt_bias += row_sums[(rows + r) * block_h + lane];
+    }
+    if constexpr (kMode == GateReduction::kAtomic) {
+      atomicAdd(out + h, total_A_log);
+      atomicAdd(out + heads + h, total_dt_bias);
     } else {
-      gate_detail::gate_write_partial_row<V>(out, plan, h0, total_A_log, total_dt_bias);
+      float* partial_row = out + static_cast<int64_t>(blockIdx.x) * 2 * heads;
+      partial_row[h] = total_A_log;
+      partial_row[heads + h] = total_dt_bias;
     }
   }
   if constexpr (kMode == GateReduction::kOrderedSinglePass) {
-    // See Note [Single-pass ordered reduction]. blockDim.x is a multiple of 32.
+    // See Note [Single-pass ordered reduction].
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-      const unsigned int programs = gridDim.x;
-      is_last_program = atomicAdd(ticket, 1u) == programs - 1;
+      const unsigned int programs = gridDim.x * gridDim.y;
+      is_last_program = atomicAdd(args.ticket, 1u) == programs - 1;
     }
     __syncthreads();
     if (!is_last_program) return;
     __threadfence();
-    float* row_sums = smem;
     const int slot_lane = threadIdx.x % 32;
     const int slot_row = threadIdx.x / 32;
     const int slot_rows = blockDim.x / 32;
-    const int64_t slots = 2 * heads;
-    const int64_t programs_t = plan.launch.programs_t;
+    const int64_t slots = 2 * static_cast<int64_t>(heads);
+    const int64_t programs_t = gridDim.x;
     float acc[kSinglePassMaxGroups];
 #pragma unroll
     for (int group = 0; group < kSinglePassMaxGroups; ++group) acc[group] = 0.0f;
@@ -119,6 +289,7 @@ __global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned
         if (slot < slots) acc[group] += __ldcg(out + p * slots + slot);
       }
     }
+    __syncthreads();  // row_sums is reused below
 #pragma unroll
     for (int group = 0; group < kSinglePassMaxGroups; ++group) {
       row_sums[slot_row * 32 + slot_lane] = acc[group];
@@ -128,60 +299,112 @@ __global__ void gate_backward_kernel(GateBackwardPlan plan, float* out, unsigned
         float total = 0.0f;
         for (int r = 0; r < slot_rows; ++r) total += row_sums[r * 32 + slot_lane];
         if (slot < heads) {
-          gate_detail::store_param(dA_log, plan.param_kind, slot, total);
+          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
         } else {
-          gate_detail::store_param(ddt_bias, plan.param_kind, slot - heads, total);
+          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
         }
       }
       __syncthreads();
     }
-    if (threadIdx.x == 0) *ticket = 0u;
+    if (threadIdx.x == 0) *args.ticket = 0u;
   }
 }
 
+// Ordered pass: block (kReduceSlotsPerBlock lanes x kReduceRows rows). Lane = one of the
+// 2 * heads output slots (coalesced across a warp); row r sums partial rows r, r + R,
+// r + 2R, ... sequentially; then row 0 adds the R row sums in row order. The order
+// depends on programs_t only, never on scheduling.
+template <typename Param>
 __global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
     gate_reduce_partials_kernel(const float* partials, int64_t programs_t, int64_t heads,
-                                ScalarKind param_kind, void* dA_log, void* ddt_bias) {
-  __shared__ float sums[kReduceRows * kReduceSlotsPerBlock];
-  gate_detail::gate_reduce_partials_block(partials, programs_t, heads, param_kind, dA_log, ddt_bias,
-                                          sums);
+                                Param* dA_log, Param* ddt_bias) {
+  __shared__ float sums[kReduceRows][kReduceSlotsPerBlock];
+  const int lane = threadIdx.x % kReduceSlotsPerBlock;
+  const int row = threadIdx.x / kReduceSlotsPerBlock;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock + lane;
+  const int64_t slots = 2 * heads;
+  float acc = 0.0f;
+  if (slot < slots) {
+#pragma unroll 8
+    for (int64_t p = row; p < programs_t; p += kReduceRows)
+      acc += __ldg(partials + p * slots + slot);
+  }
+  sums[row][lane] = acc;
+  __syncthreads();
+  if (row != 0 || slot >= slots) return;
+  float total = 0.0f;
+  for (int r = 0; r < kReduceRows; ++r) total += sums[r][lane];
+  if (slot < heads) {
+    store_from_float(dA_log + slot, total);
+  } else {
+    store_from_float(ddt_bias + (slot - heads), total);
+  }
 }
 
 // ----------------------------------------------------------------------------
 // kernel launchers
 
 template <typename Fn>
-void dispatch_input(ScalarKind kind, Fn&& fn) {
+void dispatch_kind(ScalarKind kind, Fn&& fn) {
   switch (kind) {
     case ScalarKind::kFloat32: fn(float{}); break;
-    case ScalarKind::kFloat16: fn(Half{}); break;
-    case ScalarKind::kBFloat16: fn(Bf16{}); break;
+    case ScalarKind::kFloat16: fn(__half{}); break;
+    case ScalarKind::kBFloat16: fn(__nv_bfloat16{}); break;
   }
 }
 
-template <typename Fn>
-void dispatch_vec(int vec, Fn&& fn) {
-  switch (vec) {
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    default: fn(std::integral_constant<int, 1>{}); break;
+constexpr int64_t kInt32Limit = (int64_t{1} << 31) - (int64_t{1} << 20);
+
+int64_t max_offset(const StridedOperand& op, const GateShape& shape) {
+  return (shape.dim0 - 1) * op.stride0 + (shape.dim1 - 1) * op.stride1 +
+         (shape.heads - 1) * op.stride_h;
+}
+
+// 32-bit indexing when every flat index and every operand offset fits.
+bool fits_int32(const GateShape& shape, std::initializer_list<StridedOperand> operands) {
+  if (shape.tokens() * shape.heads >= kInt32Limit) return false;
+  for (const StridedOperand& op : operands) {
+    if (max_offset(op, shape) >= kInt32Limit) return false;
   }
+  return true;
+}
+
+bool is_flat(const StridedOperand& op, const GateShape& shape) {
+  return (shape.heads == 1 || op.stride_h == 1) && (shape.dim1 == 1 || op.stride1 == shape.heads) &&
+         (shape.dim0 == 1 || op.stride0 == shape.dim1 * shape.heads);
 }
 
 }  // namespace
 
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream) {
-  if (args.shape.tokens() == 0 || args.shape.heads == 0) return cudaSuccess;
-  const GateForwardPlan plan = plan_gate_forward(args);
-  const dim3 grid(static_cast<unsigned>(plan.grid));
-  const unsigned threads = static_cast<unsigned>(plan.block_x * plan.block_y);
-  dispatch_input(plan.input_kind, [&](auto in_tag) {
-    dispatch_vec(plan.vec, [&](auto vec_tag) {
+  const int64_t total = args.shape.tokens() * args.shape.heads;
+  if (total == 0) return cudaSuccess;
+  const bool small = total < kForwardSmallLimit;
+  const int64_t per_block = kForwardThreads * (small ? kForwardItemsSmall : kForwardItemsLarge);
+  const dim3 grid(static_cast<unsigned>((total + per_block - 1) / per_block));
+  dispatch_kind(args.input_kind, [&](auto in_tag) {
+    dispatch_kind(args.param_kind, [&](auto param_tag) {
       using In = decltype(in_tag);
-      constexpr int V = decltype(vec_tag)::value;
-      auto kernel =
-          plan.split ? gate_forward_kernel<In, V, true> : gate_forward_kernel<In, V, false>;
-      kernel<<<grid, threads, 0, stream>>>(plan);
+      using Param = decltype(param_tag);
+      const bool flat = is_flat(args.a, args.shape) && is_flat(args.b, args.shape);
+      auto go = [&](auto index_tag, auto flat_tag, auto heads_div, auto dim1_div) {
+        using Index = decltype(index_tag);
+        constexpr bool kFlat = decltype(flat_tag)::value;
+        auto kernel = small ? gate_forward_kernel<In, Param, Index, kFlat, kForwardItemsSmall>
+                            : gate_forward_kernel<In, Param, Index, kFlat, kForwardItemsLarge>;
+        kernel<<<grid, kForwardThreads, 0, stream>>>(args, static_cast<Index>(total), heads_div,
+                                                     TokenDecoder<Index>{dim1_div});
+      };
+      if (fits_int32(args.shape, {args.a, args.b})) {
+        const FastDivider32 heads_div(static_cast<uint32_t>(args.shape.heads));
+        const FastDivider32 dim1_div(static_cast<uint32_t>(args.shape.dim1));
+        flat ? go(int32_t{}, std::true_type{}, heads_div, dim1_div)
+             : go(int32_t{}, std::false_type{}, heads_div, dim1_div);
+      } else {
+        const Divider<int64_t> heads_div(args.shape.heads), dim1_div(args.shape.dim1);
+        flat ? go(int64_t{}, std::true_type{}, heads_div, dim1_div)
+             : go(int64_t{}, std::false_type{}, heads_div, dim1_div);
+      }
     });
   });
   return cudaGetLastError();
@@ -190,31 +413,40 @@ int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream
 int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& tile,
                                  GateReduction reduction, float* out, CUstream_st* stream) {
   if (args.shape.tokens() == 0 || args.shape.heads == 0) return cudaSuccess;
-  const GateBackwardPlan plan = plan_gate_backward(args, tile);
-  const GateBackwardLaunch& launch = plan.launch;
-  const dim3 grid(static_cast<unsigned>(launch.num_programs()));
+  const GateBackwardLaunch launch = derive_gate_backward_launch(tile, args.shape);
+  const dim3 grid(static_cast<unsigned>(launch.programs_t),
+                  static_cast<unsigned>(launch.programs_h));
   const size_t shared = static_cast<size_t>(launch.shared_bytes);
-  dispatch_input(plan.input_kind, [&](auto in_tag) {
-    dispatch_vec(launch.vec, [&](auto vec_tag) {
+  dispatch_kind(args.input_kind, [&](auto in_tag) {
+    dispatch_kind(args.param_kind, [&](auto param_tag) {
       using In = decltype(in_tag);
-      constexpr int V = decltype(vec_tag)::value;
-      auto go = [&](auto mode_tag) {
+      using Param = decltype(param_tag);
+      const bool flat = is_flat(args.a, args.shape) && is_flat(args.b, args.shape) &&
+                        is_flat(args.grad_g, args.shape) && is_flat(args.grad_beta, args.shape);
+      auto go = [&](auto index_tag, auto mode_tag) {
+        using Index = decltype(index_tag);
         constexpr GateReduction kMode = decltype(mode_tag)::value;
-        auto kernel = plan.split ? gate_backward_kernel<In, V, true, kMode>
-                                 : gate_backward_kernel<In, V, false, kMode>;
-        kernel<<<grid, launch.threads, shared, stream>>>(plan, out, args.ticket, args.dA_log,
-                                                         args.ddt_bias);
+        auto kernel = flat ? gate_backward_kernel<In, Param, Index, kMode, true>
+                           : gate_backward_kernel<In, Param, Index, kMode, false>;
+        kernel<<<grid, tile.threads, shared, stream>>>(
+            args, static_cast<Index>(args.shape.tokens()), static_cast<Index>(args.shape.heads),
+            TokenDecoder<Index>{DividerFor<Index>(static_cast<Index>(args.shape.dim1))},
+            tile.block_t, tile.block_h, out);
       };
-      switch (reduction) {
-        case GateReduction::kAtomic:
-          go(std::integral_constant<GateReduction, GateReduction::kAtomic>{});
-          break;
-        case GateReduction::kOrdered:
-          go(std::integral_constant<GateReduction, GateReduction::kOrdered>{});
-          break;
-        case GateReduction::kOrderedSinglePass:
-          go(std::integral_constant<GateReduction, GateReduction::kOrderedSinglePass>{});
-          break;
+      using Atomic = std::integral_constant<GateReduction, GateReduction::kAtomic>;
+      using Ordered = std::integral_constant<GateReduction, GateReduction::kOrdered>;
+      using SinglePass = std::integral_constant<GateReduction, GateReduction::kOrderedSinglePass>;
+      auto with_index = [&](auto index_tag) {
+        switch (reduction) {
+          case GateReduction::kAtomic: go(index_tag, Atomic{}); break;
+          case GateReduction::kOrdered: go(index_tag, Ordered{}); break;
+          case GateReduction::kOrderedSinglePass: go(index_tag, SinglePass{}); break;
+        }
+      };
+      if (fits_int32(args.shape, {args.a, args.b, args.grad_g, args.grad_beta})) {
+        with_index(int32_t{});
+      } else {
+        with_index(int64_t{});
       }
     });
   });
@@ -227,8 +459,11 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
   if (heads == 0) return cudaSuccess;
   const dim3 grid(
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
-  gate_reduce_partials_kernel<<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
-      partials, programs_t, heads, param_kind, dA_log, ddt_bias);
+  dispatch_kind(param_kind, [&](auto param_tag) {
+    using Param = decltype(param_tag);
+    gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
+        partials, programs_t, heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
+  });
   return cudaGetLastError();
 }
 

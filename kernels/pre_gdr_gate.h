@@ -33,8 +33,8 @@ struct GateShape {
   int64_t tokens() const { return dim0 * dim1; }
 };
 
-// One backward tile: each program reduces block_t tokens x block_h heads with at most
-// `threads` threads, laid out as in Note [Gate head vectors] (below).
+// One backward tile: each program reduces block_t tokens x block_h heads with `threads`
+// threads laid out as (threads / block_h) token rows of block_h head lanes.
 struct GateTile {
   int block_t = 0;
   int block_h = 0;
@@ -50,23 +50,11 @@ std::string to_string(const GateTile& tile);
 // everything]: the chosen tile alone sets grid, scratch capacity and launch parameters,
 // in both reduction modes, so an override or a runtime mode flip cannot desynchronise
 // the scratch size from the grid that fills it.
-//
-// Note [Gate head vectors]: a backward thread owns `vec` consecutive heads (one 16-byte
-// load of BF16 activations when vec = 8) of one token row at a time; vec is the largest of
-// 8, 4, 1 that divides both Hv and block_h (and keeps the reduction buffer within 32 KB),
-// so it is a function of the shape and tile alone, never of strides or alignment. A
-// program is `lanes` = block_h / vec head-vector lanes by `rows` = min(threads / lanes,
-// block_t) token rows; row r sums tokens r, r + rows, ... of the tile in token order, and
-// the rows are then combined by a fixed-shape tree. The summation order is therefore a
-// pure function of (shape, tile), whatever the layout of the operands.
 struct GateBackwardLaunch {
-  int64_t programs_t = 0;      // token-programs (partial rows)
-  int64_t programs_h = 0;      // head-programs; the grid is 1-D, programs_t * programs_h
-  int vec = 1;                 // heads per thread (Note [Gate head vectors])
-  int lanes = 0;               // head-vector lanes per program = block_h / vec
-  int rows = 0;                // token rows per program = min(threads / lanes, block_t)
-  int threads = 0;             // threads launched per program: lanes * rows rounded up to 32
-  int64_t shared_bytes = 0;    // per-head table + reduction tree (gate_backward_shared_floats)
+  int64_t programs_t = 0;      // grid.x
+  int64_t programs_h = 0;      // grid.y
+  int rows = 0;                // token rows per program = threads / block_h
+  int64_t shared_bytes = 0;    // 2 * rows * block_h floats
   int64_t scratch_floats = 0;  // ordered mode: programs_t * 2 * heads partial sums
   int64_t num_programs() const { return programs_t * programs_h; }
 };
@@ -116,86 +104,6 @@ struct GateBackwardArgs {
   void* ddt_bias = nullptr;
   unsigned int* ticket = nullptr;
 };
-
-// ---------------------------------------------------------------------------
-// Launch plans: what the kernels of kernels/pre_gdr_gate_kernel.cuh read, derived on the
-// host from the args (and the tile) by plan_gate_forward / plan_gate_backward. Plain data
-// so that the CPU emulation test runs the kernel bodies on exactly what the launchers use.
-
-// One strided activation or gradient operand, as the kernels address it.
-struct GateOperandPlan {
-  const void* data = nullptr;
-  int64_t stride0 = 0, stride1 = 0, stride_h = 0;
-  // Token-linear (dim0 == 1, dim1 == 1 or stride0 == dim1 * stride1): token t's row
-  // starts at t * stride_t. Otherwise the row needs (i0, i1) = divmod(t, dim1).
-  bool token_linear = false;
-  int64_t stride_t = 0;
-  // stride_h == 1 and every row's `vec` heads start on a vec * element-size boundary
-  // (capped at 16 bytes): the vector-load path. Otherwise vec scalar loads, stride_h apart.
-  bool vector = false;
-};
-
-// Token index -> (i0, i1) of a [dim0, dim1] token grid, by multiply-high and shift when
-// the token count fits 31 bits (the magic-number division PyTorch's IntDivider uses).
-struct GateTokenSplit {
-  int64_t dim1 = 1;
-  bool fast = false;
-  uint32_t magic = 0, shift = 0;
-};
-
-struct GateForwardPlan {
-  int64_t tokens = 0;
-  int heads = 0;
-  int vec = 1;         // heads per thread item (8, 4 or 1): the largest that divides heads
-  int head_vecs = 0;   // heads / vec
-  int block_x = 1;     // threads over head vectors (min(head_vecs, kForwardThreads))
-  int block_y = 1;     // threads over token rows
-  int items = 1;       // token rows per thread (1, 2 or 4; kForwardMaxItems at most)
-  int64_t grid = 0;    // blocks: ceil(tokens / (block_y * items))
-  bool split = false;  // some operand is not token-linear
-  GateTokenSplit token_split;
-  ScalarKind input_kind = ScalarKind::kFloat32;
-  ScalarKind param_kind = ScalarKind::kFloat32;
-  GateOperandPlan a, b;
-  const void* A_log = nullptr;
-  const void* dt_bias = nullptr;
-  float* g = nullptr;
-  float* beta = nullptr;
-  bool out_vector = true;  // g and beta aligned for vec-wide stores (always, from the op)
-};
-
-struct GateBackwardPlan {
-  int64_t tokens = 0;
-  int heads = 0;
-  int block_t = 0, block_h = 0;
-  GateBackwardLaunch launch;
-  bool split = false;
-  GateTokenSplit token_split;
-  ScalarKind input_kind = ScalarKind::kFloat32;
-  ScalarKind param_kind = ScalarKind::kFloat32;
-  GateOperandPlan a, b, grad_g, grad_beta;
-  const void* A_log = nullptr;
-  const void* dt_bias = nullptr;
-  void* da = nullptr;
-  void* db = nullptr;
-  bool out_vector = true;  // da and db aligned for vec-wide stores (always, from the op)
-};
-
-constexpr int kForwardThreads = 256;
-// Token rows per forward thread at most. With 8-wide items this takes ~128 registers: two
-// 256-thread blocks per SM, as with two items (~96 registers), but twice the bytes in
-// flight (ptxas -v, sm_90).
-constexpr int kForwardMaxItems = 4;
-// Per-head constants come from a shared-memory table when Hv fits (forward).
-constexpr int kForwardTableHeads = 1024;
-
-GateForwardPlan plan_gate_forward(const GateForwardArgs& args);
-GateBackwardPlan plan_gate_backward(const GateBackwardArgs& args, const GateTile& tile);
-
-// Floats of dynamic shared memory a backward program uses: the per-head table
-// (-exp(A_log), dt_bias) of its block_h heads, then the reduction tree
-// [2][vec][rows][lanes] (also at least `threads` floats for the single-pass tail).
-int64_t gate_backward_shared_floats(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // kAtomic: per-program sums atomically added (default mode; bits may vary run to run).
 // kOrdered: partial rows + the ordered second kernel (launch_..._reduce_partials).
