@@ -149,7 +149,8 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
         const int64_t per = chunk_state_dot_partials(dv);
         for (int64_t e = 0; e < per; ++e) partials += dot_out[bhn * per + e];
         // A sum of dk * dv O(1) products: compare relative to its magnitude.
-        check(decay * dot / std::sqrt(double{dk} * dv), partials / std::sqrt(double{dk} * dv));
+        check(decay * dot / std::sqrt(static_cast<double>(dk) * dv),
+              partials / std::sqrt(static_cast<double>(dk) * dv));
       }
       std::vector<double> R(C * dv);
       for (int r = 0; r < C; ++r) {

@@ -279,7 +279,9 @@ TEST_F(GdrCoreImplSwitch, TheOpWiredIntoTheCoreMatchesTheCompositeStepWithGradie
                                            0.4, leaves[5], true, 8);
     EXPECT_EQ(gdr_core_last_step7(), through_op ? GdrCoreImpl::kKernel : GdrCoreImpl::kComposite);
     // The op path hands o over contiguous (Note [Chunk output layout] in ops/gdr_core.cc).
-    if (through_op) EXPECT_TRUE(o.is_contiguous());
+    if (through_op) {
+      EXPECT_TRUE(o.is_contiguous());
+    }
     std::vector<at::Tensor> out = {o.detach(), s.detach()};
     for (const at::Tensor& g : torch::autograd::grad({(o * w_o).sum() + (s * w_s).sum()}, leaves))
       out.push_back(g);

@@ -232,7 +232,9 @@ void run_case(const Case& c) {
   const double tol = c.bf16 ? 8e-3 : 2e-5;
   EXPECT_LE(err_y, tol * (1 + max_y)) << "y";
   EXPECT_LE(err_dx, tol * (1 + max_dx)) << "dx";
-  if (c.gated) EXPECT_LE(err_dz, tol * (1 + max_dz)) << "dz";
+  if (c.gated) {
+    EXPECT_LE(err_dz, tol * (1 + max_dz)) << "dz";
+  }
   double err_dw = 0, max_dw = 0;
   const at::Tensor dwd = dw.to(at::kDouble);
   for (int64_t k = 0; k < c.cols; ++k) {

@@ -134,7 +134,9 @@ TEST_P(RmsNormCpu, SpecLoopMatchesAutogradOfTheComposition) {
   const auto shape = x.sizes();
   EXPECT_LT(max_abs_diff(comp.y, to_tensor(ref.y, shape)), tol);
   EXPECT_LT(max_abs_diff(comp.dx, to_tensor(ref.dx, shape)), tol);
-  if (c.gated) EXPECT_LT(max_abs_diff(comp.dz, to_tensor(ref.dz, shape)), tol);
+  if (c.gated) {
+    EXPECT_LT(max_abs_diff(comp.dz, to_tensor(ref.dz, shape)), tol);
+  }
   EXPECT_LT(max_abs_diff(comp.dw, to_tensor(ref.dw, {c.D})), tol * std::sqrt(3.0 * c.rows));
 }
 
@@ -144,7 +146,6 @@ TEST_P(RmsNormCpu, CpuOpEqualsTheComposition) {
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kDouble}) {
     if (dt == at::kDouble && !c.gated) continue;  // the zero-centred composite is FP32 math
     at::manual_seed(c.D * 7 + c.rows);
-    const auto opt = at::TensorOptions().dtype(dt);
     const at::Tensor x = (at::randn({c.rows, c.D}) * 2).to(dt);
     const at::Tensor z = c.gated ? (at::randn({c.rows, c.D}) * 2).to(dt) : at::Tensor();
     const at::Tensor w = (at::randn({c.D}) * 0.5).to(dt);
@@ -156,7 +157,9 @@ TEST_P(RmsNormCpu, CpuOpEqualsTheComposition) {
     const double scale = dt == at::kBFloat16 ? 1.0 + comp.dx.abs().max().item<double>() : 1.0;
     EXPECT_EQ(op.dx.scalar_type(), dt);
     EXPECT_LT(max_abs_diff(op.dx, comp.dx), tol * scale) << c10::toString(dt);
-    if (c.gated) EXPECT_LT(max_abs_diff(op.dz, comp.dz), tol * scale) << c10::toString(dt);
+    if (c.gated) {
+      EXPECT_LT(max_abs_diff(op.dz, comp.dz), tol * scale) << c10::toString(dt);
+    }
     const double dw_scale = 1.0 + comp.dw.abs().max().item<double>();
     EXPECT_LT(max_abs_diff(op.dw, comp.dw), tol * dw_scale) << c10::toString(dt);
   }
