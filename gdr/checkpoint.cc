@@ -74,10 +74,14 @@ absl::Status write_checkpoint(const std::string& step_dir_in, const Checkpoint& 
   for (int i = 0; i < 2; ++i) {
     const std::string path = io::join_path(partial, kTensorFiles[i]);
     if (absl::Status s = io::write_safetensors(path, *sets[i]); !s.ok()) return s;
-    // Digest what is on disk, not what we meant to write.
-    absl::StatusOr<std::string> bytes = io::read_file(path);
-    if (!bytes.ok()) return bytes.status();
-    files[kTensorFiles[i]] = {{"sha256", sha256_hex(*bytes)}, {"bytes", bytes->size()}};
+    // Digest what is on disk, not what we meant to write (streamed: a 0.8B optimizer file
+    // is 6.4 GB).
+    absl::StatusOr<std::string> digest = sha256_file_hex(path);
+    if (!digest.ok()) return digest.status();
+    std::error_code size_error;
+    const uintmax_t bytes = fs::file_size(path, size_error);
+    if (size_error) return fs_error(path, size_error);
+    files[kTensorFiles[i]] = {{"sha256", *digest}, {"bytes", bytes}};
   }
   const TrainingState& st = checkpoint.state;
   nlohmann::ordered_json state = {

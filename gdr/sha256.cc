@@ -1,88 +1,93 @@
 #include "gdr/sha256.h"
 
-#include <cstdint>
-#include <cstring>
+#include <openssl/evp.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "io/file_util.h"
 
 namespace gdr {
 namespace {
 
-constexpr uint32_t kRoundConstants[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+struct DigestContextDeleter {
+  void operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
+};
+using DigestContext = std::unique_ptr<EVP_MD_CTX, DigestContextDeleter>;
 
-uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+std::string to_hex(const unsigned char* digest, unsigned int length) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * length);
+  for (unsigned int i = 0; i < length; ++i) {
+    out.push_back(kHex[digest[i] >> 4]);
+    out.push_back(kHex[digest[i] & 0xf]);
+  }
+  return out;
+}
 
-void compress(uint32_t h[8], const unsigned char block[64]) {
-  uint32_t w[64];
-  for (int i = 0; i < 16; ++i) {
-    w[i] = (uint32_t{block[4 * i]} << 24) | (uint32_t{block[4 * i + 1]} << 16) |
-           (uint32_t{block[4 * i + 2]} << 8) | uint32_t{block[4 * i + 3]};
+// Runs `feed(update)` through one SHA-256 context; feed calls update(data, size) for each
+// piece and returns false to abandon (its own error already recorded).
+template <typename Feed>
+absl::StatusOr<std::string> digest_of(Feed feed) {
+  DigestContext ctx(EVP_MD_CTX_new());
+  if (ctx == nullptr || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
+    return absl::InternalError("sha256: OpenSSL could not start a digest");
   }
-  for (int i = 16; i < 64; ++i) {
-    const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-    const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  bool update_ok = true;
+  const bool fed = feed([&](const void* data, size_t size) {
+    update_ok = update_ok && EVP_DigestUpdate(ctx.get(), data, size) == 1;
+  });
+  if (!update_ok) return absl::InternalError("sha256: OpenSSL digest update failed");
+  if (!fed) return absl::InternalError("sha256: input not read");
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  if (EVP_DigestFinal_ex(ctx.get(), digest, &length) != 1) {
+    return absl::InternalError("sha256: OpenSSL could not finish the digest");
   }
-  uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
-  for (int i = 0; i < 64; ++i) {
-    const uint32_t s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25);
-    const uint32_t ch = (e & f) ^ (~e & g);
-    const uint32_t t1 = hh + s1 + ch + kRoundConstants[i] + w[i];
-    const uint32_t s0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22);
-    const uint32_t maj = (a & b) ^ (a & c) ^ (b & c);
-    const uint32_t t2 = s0 + maj;
-    hh = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += hh;
+  return to_hex(digest, length);
 }
 
 }  // namespace
 
 std::string sha256_hex(absl::string_view bytes) {
-  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  const size_t full = bytes.size() / 64 * 64;
-  for (size_t i = 0; i < full; i += 64) {
-    compress(h, reinterpret_cast<const unsigned char*>(bytes.data() + i));
+  absl::StatusOr<std::string> hex = digest_of([&](auto update) {
+    update(bytes.data(), bytes.size());
+    return true;
+  });
+  // Only an OpenSSL internal failure (e.g. out of memory) gets here; there is no
+  // meaningful digest to return, and a wrong one would defeat the check.
+  if (!hex.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(hex.status().message()).c_str());
+    std::abort();
   }
-  // Padding: 0x80, zeros, then the bit length big-endian, in one or two final blocks.
-  unsigned char tail[128] = {};
-  const size_t rest = bytes.size() - full;
-  std::memcpy(tail, bytes.data() + full, rest);
-  tail[rest] = 0x80;
-  const size_t tail_len = rest + 9 <= 64 ? 64 : 128;
-  const uint64_t bits = static_cast<uint64_t>(bytes.size()) * 8;
-  for (int i = 0; i < 8; ++i) tail[tail_len - 1 - i] = static_cast<unsigned char>(bits >> (8 * i));
-  for (size_t i = 0; i < tail_len; i += 64) compress(h, tail + i);
-
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(64);
-  for (uint32_t word : h) {
-    for (int shift = 28; shift >= 0; shift -= 4) out.push_back(kHex[(word >> shift) & 0xf]);
-  }
-  return out;
+  return *hex;
 }
 
 absl::StatusOr<std::string> sha256_file_hex(const std::string& path) {
-  absl::StatusOr<std::string> contents = io::read_file(path);
-  if (!contents.ok()) return contents.status();
-  return sha256_hex(*contents);
+  absl::StatusOr<io::ReadOnlyFile> file = io::ReadOnlyFile::open(path);
+  if (!file.ok()) return file.status();
+  absl::Status read_status;
+  absl::StatusOr<std::string> hex = digest_of([&](auto update) {
+    std::vector<char> buffer(size_t{8} << 20);
+    for (uint64_t offset = 0; offset < file->size(); offset += buffer.size()) {
+      const size_t n =
+          static_cast<size_t>(std::min<uint64_t>(buffer.size(), file->size() - offset));
+      read_status = file->read_at(offset, buffer.data(), n);
+      if (!read_status.ok()) return false;
+      update(buffer.data(), n);
+    }
+    return true;
+  });
+  if (!read_status.ok()) return read_status;
+  if (!hex.ok()) return absl::InternalError(absl::StrCat(path, ": ", hex.status().message()));
+  return hex;
 }
 
 }  // namespace gdr

@@ -13,7 +13,7 @@ readonly TORCH_VERSION="2.11.0"
 readonly TORCH_WHEEL="torch-${TORCH_VERSION}-cp312-cp312-manylinux_2_28_x86_64.whl"
 readonly TORCH_WHEEL_SHA256="0f68f4ac6d95d12e896c3b7a912b5871619542ec54d3649cf48cc1edd4dd2756"
 readonly APT_PACKAGES=(bazel-bootstrap bazel-rules-cc bazel-platforms bazel-skylib
-  bazel-rules-java libabsl-dev googletest libyaml-cpp-dev nlohmann-json3-dev
+  bazel-rules-java libabsl-dev googletest libyaml-cpp-dev nlohmann-json3-dev libssl-dev
   clang-format-14 unzip python3-pip)
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

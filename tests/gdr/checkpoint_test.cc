@@ -28,6 +28,26 @@ TEST(Sha256Test, MatchesTheFipsVectors) {
             "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }
 
+// Files are hashed in 8 MiB pieces: sizes around the piece boundary give the digest of
+// the whole contents, and a missing file is an error naming it.
+TEST(Sha256Test, StreamedFileDigestEqualsTheDigestOfTheContents) {
+  const std::string dir = scratch_dir("sha256_stream");
+  std::filesystem::create_directories(dir);
+  for (size_t size : {size_t{0}, size_t{1}, (size_t{8} << 20) - 1, size_t{8} << 20,
+                      (size_t{8} << 20) + 65, (size_t{17} << 20) + 3}) {
+    std::string contents(size, '\0');
+    for (size_t i = 0; i < size; ++i) contents[i] = static_cast<char>((i * 2654435761u) >> 13);
+    const std::string path = dir + "/f" + std::to_string(size);
+    std::ofstream(path, std::ios::binary).write(contents.data(), contents.size());
+    absl::StatusOr<std::string> streamed = sha256_file_hex(path);
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    EXPECT_EQ(*streamed, sha256_hex(contents)) << size;
+  }
+  const absl::StatusOr<std::string> missing = sha256_file_hex(dir + "/absent");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find(dir + "/absent"), absl::string_view::npos);
+}
+
 void flip_byte(const std::string& path, int64_t offset) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(offset);

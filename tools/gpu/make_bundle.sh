@@ -38,12 +38,13 @@ for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
 for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
 for c in "${clis[@]}"; do copy_target "$c" .gpu/tools; done
 cp tools/state_equality_check.sh bench/step_timing_paired.sh tools/gpu/dp_scaling.sh tools/launch.sh .gpu/
-# System libraries of this machine the GPU machine lacks (Debian's Abseil, yaml-cpp).
+# System libraries of this machine the GPU machine may lack (Debian's Abseil, yaml-cpp,
+# OpenSSL's libcrypto).
 mkdir -p .gpu/lib
 for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
   # ldd fails on scripts (the sh_tests): not an error here.
-  { ldd "$bin" 2>/dev/null || true; } | awk '/libabsl_|libyaml-cpp/ {print $3}' | while read -r lib; do
+  { ldd "$bin" 2>/dev/null || true; } | awk '/libabsl_|libyaml-cpp|libcrypto/ {print $3}' | while read -r lib; do
     cp -L -n "$lib" .gpu/lib/
   done
 done
