@@ -250,6 +250,24 @@ void PairwiseSum::add(std::vector<at::Tensor> leaf) {
   }
 }
 
+at::Tensor PairwiseSum::finish_with_last(size_t i, at::Tensor last) {
+  at::NoGradGuard no_grad;
+  std::vector<std::pair<int64_t, at::Tensor>> stack;
+  for (const auto& [leaves, partial] : stack_) stack.emplace_back(leaves, partial[i]);
+  stack.emplace_back(1, std::move(last));
+  auto merge_newest = [&] {
+    auto newer = std::move(stack.back());
+    stack.pop_back();
+    stack.back().second.add_(newer.second);
+    stack.back().first += newer.first;
+  };
+  while (stack.size() >= 2 && stack[stack.size() - 1].first == stack[stack.size() - 2].first) {
+    merge_newest();
+  }
+  while (stack.size() >= 2) merge_newest();
+  return stack.back().second;
+}
+
 std::vector<at::Tensor> PairwiseSum::finish() {
   at::NoGradGuard no_grad;
   while (stack_.size() >= 2) {
@@ -358,6 +376,122 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
                      error_text(e)));
   }
   return absl::OkStatus();
+}
+
+struct OverlappedReduction::State {
+  ProcessGroup* group = nullptr;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<size_t> bucket_of;          // tensor -> bucket
+  std::vector<int64_t> offset_in_bucket;  // tensor -> element offset in its bucket
+  std::vector<at::Tensor> flat;           // one FP32 buffer per bucket
+  std::vector<int> missing;               // per bucket: tensors not set yet
+  std::vector<bool> is_set;
+  std::vector<std::vector<at::Tensor>> gathered;  // per bucket, one copy per rank
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  int64_t next_to_start = -1;  // the highest bucket not started; buckets start last-first
+  std::mutex mutex;
+};
+
+OverlappedReduction::OverlappedReduction(ProcessGroup& group,
+                                         const std::vector<std::vector<int64_t>>& shapes,
+                                         const at::TensorOptions& options, int64_t bucket_elements)
+    : state_(std::make_unique<State>()) {
+  State& st = *state_;
+  st.group = &group;
+  st.shapes = shapes;
+  st.is_set.assign(shapes.size(), false);
+  // The bucket rule of all_reduce_sum: consecutive tensors, a bucket closed before one would
+  // overflow bucket_elements (a larger tensor is a bucket of its own).
+  int64_t filled = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t n = c10::multiply_integers(shapes[i]);
+    if (st.missing.empty() || (filled > 0 && filled + n > bucket_elements)) {
+      if (!st.missing.empty()) st.flat.push_back(at::empty({filled}, options.dtype(at::kFloat)));
+      st.missing.push_back(0);
+      filled = 0;
+    }
+    st.bucket_of.push_back(st.missing.size() - 1);
+    st.offset_in_bucket.push_back(filled);
+    ++st.missing.back();
+    filled += n;
+  }
+  if (!st.missing.empty()) st.flat.push_back(at::empty({filled}, options.dtype(at::kFloat)));
+  st.gathered.resize(st.flat.size());
+  st.works.resize(st.flat.size());
+  st.next_to_start = static_cast<int64_t>(st.flat.size()) - 1;
+}
+
+OverlappedReduction::~OverlappedReduction() = default;
+
+void OverlappedReduction::start_ready_buckets() {
+  State& st = *state_;
+  while (st.next_to_start >= 0 && st.missing[st.next_to_start] == 0) {
+    const size_t b = static_cast<size_t>(st.next_to_start);
+    std::vector<at::Tensor> inputs{st.flat[b]};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < st.group->world_size(); ++r) {
+      outputs[0].push_back(at::empty_like(st.flat[b]));
+    }
+    st.works[b] = st.group->impl_->backend->allgather(outputs, inputs);
+    st.gathered[b] = std::move(outputs[0]);
+    --st.next_to_start;
+  }
+}
+
+void OverlappedReduction::set(size_t i, const at::Tensor& local_sum) {
+  State& st = *state_;
+  std::lock_guard<std::mutex> lock(st.mutex);
+  TORCH_CHECK(i < st.shapes.size() && !st.is_set[i], "OverlappedReduction::set: tensor ", i,
+              i < st.shapes.size() ? " was already set" : " is out of range");
+  TORCH_CHECK(local_sum.scalar_type() == at::kFloat && local_sum.sizes().vec() == st.shapes[i],
+              "OverlappedReduction::set: expected tensor ", i, " FP32 of shape ", st.shapes[i],
+              " but got ", local_sum.scalar_type(), " ", local_sum.sizes());
+  at::NoGradGuard no_grad;
+  const size_t b = st.bucket_of[i];
+  st.flat[b]
+      .narrow(0, st.offset_in_bucket[i], local_sum.numel())
+      .view(local_sum.sizes())
+      .copy_(local_sum);
+  st.is_set[i] = true;
+  --st.missing[b];
+  start_ready_buckets();
+}
+
+absl::StatusOr<std::vector<at::Tensor>> OverlappedReduction::finish() {
+  State& st = *state_;
+  std::lock_guard<std::mutex> lock(st.mutex);
+  for (size_t i = 0; i < st.is_set.size(); ++i) {
+    if (!st.is_set[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("OverlappedReduction::finish: tensor ", i, " was never set"));
+    }
+  }
+  const int world = st.group->world_size();
+  std::vector<at::Tensor> out(st.shapes.size());
+  try {
+    at::NoGradGuard no_grad;
+    start_ready_buckets();
+    std::vector<at::Tensor> sums(st.flat.size());
+    // Wait in start order (last bucket first), then the rank-order tree of all_reduce_sum.
+    for (int64_t b = static_cast<int64_t>(st.flat.size()) - 1; b >= 0; --b) {
+      st.works[b]->wait();
+      PairwiseSum tree;
+      for (int r = 0; r < world; ++r) tree.add({st.gathered[b][r]});
+      sums[b] = tree.finish()[0];
+    }
+    for (size_t i = 0; i < st.shapes.size(); ++i) {
+      out[i] = sums[st.bucket_of[i]]
+                   .narrow(0, st.offset_in_bucket[i], c10::multiply_integers(st.shapes[i]))
+                   .view(st.shapes[i]);
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", st.group->rank(), " of ", world,
+                     ": gradient all-reduce failed (a peer died, or did not answer within the "
+                     "timeout, GDR_DIST_TIMEOUT_S): ",
+                     error_text(e)));
+  }
+  return out;
 }
 
 absl::Status check_same_on_all_ranks(ProcessGroup& group, const std::string& what,

@@ -93,10 +93,42 @@ class ProcessGroup {
   static constexpr int kBucketsInFlight = 8;
 
  private:
+  friend class OverlappedReduction;
   struct Impl;
   ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl);
   DistEnv env_;
   std::unique_ptr<Impl> impl_;
+};
+
+// Note [Overlapped gradient reduction] (train.overlap_grad_reduction): all_reduce_sum's
+// reduction, started while the step's last microbatch is still in its backward. As each
+// parameter's local sum becomes final (the trainer's hook on the last backward), it is
+// copied into its FP32 bucket; a bucket's all-gather starts once the bucket and every
+// bucket after it are complete, so buckets always start in the same order (last first, as
+// backward produces them) on every rank, whatever order the hooks fire in. finish() waits
+// and adds each bucket's W copies by the same rank-order tree as all_reduce_sum, so the
+// result has the same bits as the non-overlapped path.
+class OverlappedReduction {
+ public:
+  // `shapes`: the reduced tensors' shapes in parameter order, FP32 with `options` (the
+  // group's device). Buckets as all_reduce_sum's.
+  OverlappedReduction(ProcessGroup& group, const std::vector<std::vector<int64_t>>& shapes,
+                      const at::TensorOptions& options,
+                      int64_t bucket_elements = ProcessGroup::kBucketElements);
+  // Tensor i's local sum is final (FP32, shapes[i]); call once per tensor. May start
+  // all-gathers. Throws (c10::Error) on a shape mismatch or a repeated index.
+  void set(size_t i, const at::Tensor& local_sum);
+  // Starts any bucket not started yet (every tensor must have been set), waits for all,
+  // and returns the reduced tensors in parameter order. Unavailable, naming the rank, when
+  // a peer died or timed out; FailedPrecondition when a tensor was never set.
+  absl::StatusOr<std::vector<at::Tensor>> finish();
+
+  ~OverlappedReduction();
+
+ private:
+  void start_ready_buckets();  // last-first, stopping at the first incomplete bucket
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 // Pairwise summation of lists of tensors (e.g. one gradient per parameter), the fixed tree of
@@ -108,6 +140,12 @@ class ProcessGroup {
 class PairwiseSum {
  public:
   void add(std::vector<at::Tensor> leaf);
+  // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
+  // add() of that leaf and then finish() would make for index i, in the same order (so the
+  // same bits), done for this index alone (Note [Overlapped gradient reduction]). Adds in
+  // place into the kept partial sums of index i; call at most once per index, and use
+  // neither add() nor finish() afterwards.
+  at::Tensor finish_with_last(size_t i, at::Tensor last);
   // The sum; empty when nothing was added.
   std::vector<at::Tensor> finish();
 

@@ -197,6 +197,10 @@ const std::vector<Field>& run_fields() {
           [](const RunConfig& c) -> size_t { return c.train.on_nonfinite == OnNonfinite::kSkip; }),
       int_field("train", "num_threads",
                 [](RunConfig& c) -> int64_t& { return c.train.num_threads; }),
+      choice_field(
+          "train", "overlap_grad_reduction", {"false", "true"},
+          [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
+          [](const RunConfig& c) -> size_t { return c.train.overlap_grad_reduction ? 1 : 0; }),
   };
   return *fields;
 }
@@ -301,9 +305,15 @@ absl::StatusOr<QwenConfig> load_model_section(const std::string& path, const YAM
 // Keys a resumed run may change without changing what its steps compute.
 bool may_change_on_resume(absl::string_view dotted) {
   static constexpr absl::string_view kFree[] = {
-      "train.steps",          "train.log_every",        "train.metrics_path",
-      "train.checkpoint_dir", "train.checkpoint_every", "train.snapshot_dir",
-      "train.on_nonfinite",   "schedule.total_steps"};  // compared by its effective value
+      "train.steps",
+      "train.log_every",
+      "train.metrics_path",
+      "train.checkpoint_dir",
+      "train.checkpoint_every",
+      "train.snapshot_dir",
+      "train.on_nonfinite",
+      "train.overlap_grad_reduction",
+      "schedule.total_steps"};  // compared by its effective value
   for (absl::string_view k : kFree) {
     if (k == dotted) return true;
   }

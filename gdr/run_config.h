@@ -15,7 +15,8 @@
 //               checkpoint_dir ("" = none), checkpoint_every (0 = only at the end),
 //               snapshot_dir ("" = none; a state snapshot after every step),
 //               on_nonfinite: stop | skip,
-//               num_threads (ATen intra-op threads; 0 = ATen's default, one per core)
+//               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
+//               overlap_grad_reduction: false | true (DP: reduce during the last backward)
 // Every section is optional except `model:`; a missing key keeps its default below.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message is
@@ -87,6 +88,9 @@ struct TrainConfig {
   std::string snapshot_dir;
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
   int64_t num_threads = 0;
+  // Data parallelism: start the gradient reduction during the last microbatch's backward
+  // (Note [Overlapped gradient reduction] in gdr/distributed.h); same bits either way.
+  bool overlap_grad_reduction = false;
 };
 
 struct RunConfig {

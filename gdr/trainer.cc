@@ -275,12 +275,35 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // Losses stay on the device until the step's end: one host sync per step, not one per
   // microbatch, so the host can queue the next microbatch while the GPU finishes this one.
   std::vector<at::Tensor> losses_on_device;
-  for (const std::vector<int64_t>& tokens : mine) {
+  // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
+  // microbatch's backward hands each parameter's final local sum to the cross-rank
+  // reduction as soon as autograd produces its gradient.
+  const bool overlap = world > 1 && m.config.train.overlap_grad_reduction;
+  std::unique_ptr<OverlappedReduction> overlapped;
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const std::vector<int64_t>& tokens = mine[k];
     const at::Tensor ids = at::tensor(tokens, at::kLong).reshape({batch, window}).to(m.device);
     const at::Tensor loss = m.model->loss(ids, ids);
+    const bool hand_over = overlap && k + 1 == mine.size();
+    std::vector<unsigned> hooks;
+    if (hand_over) {
+      std::vector<std::vector<int64_t>> shapes;
+      for (const at::Tensor& p : m.masters) shapes.push_back(p.sizes().vec());
+      overlapped = std::make_unique<OverlappedReduction>(*m.group, shapes, m.masters[0].options());
+      for (size_t i = 0; i < m.params.size(); ++i) {
+        hooks.push_back(m.params[i].register_hook([&m, &tree, &overlapped, i](at::Tensor grad) {
+          overlapped->set(i, tree.finish_with_last(i, m.mixed() ? grad.to(at::kFloat) : grad));
+        }));
+      }
+    }
     (loss / static_cast<double>(world * accum)).backward();
+    for (size_t i = 0; i < hooks.size(); ++i) m.params[i].remove_hook(hooks[i]);
     losses_on_device.push_back(loss.detach().reshape({1}));
     stats.tokens += batch * (window - 1);
+    if (hand_over) {
+      for (at::Tensor& p : m.params) p.mutable_grad().reset();
+      continue;
+    }
     std::vector<at::Tensor> leaf;
     for (at::Tensor& p : m.params) {
       leaf.push_back(m.mixed() ? p.grad().to(at::kFloat) : p.grad());
@@ -294,12 +317,25 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     const double* p = host.data_ptr<double>();
     stats.microbatch_losses.assign(p, p + host.numel());
   }
-  std::vector<at::Tensor> grads = tree.finish();
+  std::vector<at::Tensor> grads;
+  const auto reduce_start = std::chrono::steady_clock::now();
+  if (overlapped != nullptr) {
+    absl::StatusOr<std::vector<at::Tensor>> reduced = overlapped->finish();
+    if (!reduced.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("step ", stats.step, ": ", reduced.status().message()));
+    }
+    grads = std::move(*reduced);
+  } else {
+    grads = tree.finish();
+  }
   for (size_t i = 0; i < m.masters.size(); ++i) m.masters[i].mutable_grad() = grads[i];
   if (world > 1) {
     std::vector<std::vector<double>> losses;
-    const auto reduce_start = std::chrono::steady_clock::now();
-    if (absl::Status s = m.group->all_reduce_sum(grads, stats.microbatch_losses, &losses);
+    // Overlapped: the gradients are reduced already; only the losses are gathered.
+    const std::vector<at::Tensor> to_reduce =
+        overlapped != nullptr ? std::vector<at::Tensor>{} : grads;
+    if (absl::Status s = m.group->all_reduce_sum(to_reduce, stats.microbatch_losses, &losses);
         !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
     }

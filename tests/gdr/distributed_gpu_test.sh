@@ -2,7 +2,8 @@
 # Data parallelism on CUDA (NCCL, 2 GPUs of one host), the CUDA train binary end to end:
 #   1. DP=2 through tools/launch.sh on the tiny model (bf16, deterministic mode): both ranks
 #      end with the same losses, gradients, parameters and optimizer state;
-#   2. a fresh DP=2 rerun is byte-identical, and so is a DP=2 run resumed from step 1;
+#   2. a fresh DP=2 rerun is byte-identical, and so is a DP=2 run resumed from step 1, and
+#      so is a run with train.overlap_grad_reduction;
 #   3. DP=1 with grad_accum 4 and DP=2 with grad_accum 2 are byte-identical (Note [Gradient
 #      reduction tree] in gdr/distributed.h);
 #   4. a killed rank ends the other with an error in bounded time.
@@ -55,6 +56,11 @@ run_dp 2 b --set=train.grad_accum=2
 expect_rc 0 "DP=2 rerun equal" "$COMPARE" "$OUT/a/snap" "$OUT/b/snap"
 run_dp 2 resumed --set=train.grad_accum=2 --resume="$OUT/a/ckpt/step_1"
 expect_rc 0 "DP=2 resumed step 3 equal" "$COMPARE" "$OUT/a/snap/step_3" "$OUT/resumed/snap/step_3"
+
+# 2b. The reduction overlapped with the last backward gives the same bits (Note
+# [Overlapped gradient reduction]).
+run_dp 2 overlap --set=train.grad_accum=2 --set=train.overlap_grad_reduction=true
+expect_rc 0 "DP=2 overlapped == not overlapped" "$COMPARE" "$OUT/a/snap" "$OUT/overlap/snap"
 
 # 3. The same global batch over one or two GPUs gives the same bits.
 run_dp 1 one --set=train.grad_accum=4

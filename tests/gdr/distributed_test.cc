@@ -95,6 +95,34 @@ TEST(PairwiseSumTest, TwoHalvesCombinedEqualTheWhole) {
   EXPECT_TRUE(at::equal(outer.finish()[0], whole.finish()[0]));
 }
 
+// finish_with_last(i, x) is add() of a leaf holding x at index i, then finish(), for
+// index i: the same bits, whatever the number of earlier leaves.
+TEST(PairwiseSumTest, FinishWithLastEqualsAddThenFinish) {
+  for (int earlier = 0; earlier <= 6; ++earlier) {
+    at::manual_seed(earlier);
+    std::vector<std::vector<at::Tensor>> leaves;
+    for (int k = 0; k <= earlier; ++k) {
+      leaves.push_back({at::randn({5}) * 1e4, at::randn({2, 3})});
+    }
+    PairwiseSum whole, per_index;
+    for (int k = 0; k <= earlier; ++k) {
+      std::vector<at::Tensor> copy;
+      for (const at::Tensor& t : leaves[k]) copy.push_back(t.clone());
+      whole.add(copy);
+    }
+    for (int k = 0; k < earlier; ++k) {
+      std::vector<at::Tensor> copy;
+      for (const at::Tensor& t : leaves[k]) copy.push_back(t.clone());
+      per_index.add(copy);
+    }
+    const std::vector<at::Tensor> want = whole.finish();
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(at::equal(per_index.finish_with_last(i, leaves[earlier][i].clone()), want[i]))
+          << earlier << " earlier leaves, index " << i;
+    }
+  }
+}
+
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -173,6 +201,52 @@ TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
     const at::Tensor want = base.add(0.0f) + base.add(1000.0f);  // rank 0 + rank 1
     EXPECT_TRUE(at::equal(results[0][i], want)) << i;
     EXPECT_TRUE(at::equal(results[1][i], want)) << i;
+  }
+}
+
+// Note [Overlapped gradient reduction]: ranks set their tensors in different orders (here
+// one ascending, one descending, small buckets so several are in flight); every tensor
+// still comes back as the rank-order tree sum, the same as all_reduce_sum's.
+TEST(ProcessGroupTest, OverlappedReductionEqualsAllReduceSumWhateverTheSetOrder) {
+  constexpr int kTensors = 30;
+  std::vector<std::vector<at::Tensor>> overlapped(2), plain(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    std::vector<at::Tensor> grads;
+    std::vector<std::vector<int64_t>> shapes;
+    for (int i = 0; i < kTensors; ++i) {
+      grads.push_back(at::arange(1 + i % 4, at::kFloat).mul(0.3f * (i + 1)).add(r * 77.0f));
+      shapes.push_back(grads.back().sizes().vec());
+    }
+    OverlappedReduction reduction(group, shapes, grads[0].options(), /*bucket_elements=*/5);
+    for (int j = 0; j < kTensors; ++j) {
+      const int i = r == 0 ? j : kTensors - 1 - j;
+      reduction.set(i, grads[i]);
+    }
+    absl::StatusOr<std::vector<at::Tensor>> out = reduction.finish();
+    ASSERT_TRUE(out.ok()) << out.status();
+    overlapped[r] = *out;
+    ASSERT_TRUE(group.all_reduce_sum(grads, {}, nullptr, /*bucket_elements=*/5).ok());
+    plain[r] = grads;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(overlapped[r].size(), static_cast<size_t>(kTensors));
+    for (int i = 0; i < kTensors; ++i) {
+      EXPECT_TRUE(at::equal(overlapped[r][i], plain[r][i])) << "rank " << r << " tensor " << i;
+    }
+  }
+}
+
+TEST(ProcessGroupTest, OverlappedReductionRefusesAMissingTensor) {
+  std::vector<absl::Status> status(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    OverlappedReduction reduction(group, {{2}, {3}}, at::TensorOptions().dtype(at::kFloat));
+    reduction.set(1, at::ones({3}));
+    status[group.rank()] = reduction.finish().status();
+  });
+  for (const absl::Status& s : status) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(s.message(), "OverlappedReduction::finish: tensor 0 was never set");
   }
 }
 

@@ -4,7 +4,7 @@
 #      parameters and optimizer state (rank 0's snapshots vs rank 1's, exit 0); only rank 0
 #      logs, writes metrics and checkpoints;
 #   2. a fresh DP=2 rerun is byte-identical (exit 0), and so is a DP=2 run resumed from
-#      rank 0's step-1 checkpoint;
+#      rank 0's step-1 checkpoint, and so are runs with train.overlap_grad_reduction;
 #   3. a killed rank ends the other with an error within 30 s, and so does a hung
 #      (SIGSTOPped) one, by the GDR_DIST_TIMEOUT_S timeout; a missing peer at start-up too;
 #   4. a config that differs between ranks is refused at start-up on both ranks;
@@ -64,6 +64,21 @@ run_dp 2 resumed --set=train.grad_accum=2 --resume="$OUT/a/ckpt/step_1"
 grep -q "^\[rank 0\] resumed from .* at step 1$" "$OUT/last.log" || fail "resume line: $(cat "$OUT/last.log")"
 expect_rc 0 "DP=2 resumed step 2 equal" "$COMPARE" "$OUT/a/snap/step_2" "$OUT/resumed/snap/step_2"
 expect_rc 0 "DP=2 resumed step 2 equal (rank 1)" "$COMPARE" "$OUT/a/snap/step_2" "$OUT/resumed/snap.rank1/step_2"
+
+# 2b. The reduction overlapped with the last backward (Note [Overlapped gradient
+# reduction]) gives the same bits, with one and with several buckets in flight per step.
+run_dp 2 overlap --set=train.grad_accum=2 --set=train.overlap_grad_reduction=true
+expect_rc 0 "overlapped == not overlapped" "$COMPARE" "$OUT/a/snap" "$OUT/overlap/snap"
+expect_rc 0 "overlapped ranks equal" "$COMPARE" "$OUT/overlap/snap" "$OUT/overlap/snap.rank1"
+run_dp 2 overlap_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16 \
+  --set=train.overlap_grad_reduction=true
+run_dp 2 plain_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16
+expect_rc 0 "overlapped == not overlapped, bf16" "$COMPARE" "$OUT/plain_bf16/snap" \
+  "$OUT/overlap_bf16/snap"
+run_dp 2 overlap1 --set=train.grad_accum=1 --set=train.overlap_grad_reduction=true
+run_dp 2 plain1 --set=train.grad_accum=1
+expect_rc 0 "overlapped == not overlapped, grad_accum 1" "$COMPARE" "$OUT/plain1/snap" \
+  "$OUT/overlap1/snap"
 
 # 3. A killed rank ends the other with an error in bounded time.
 port=$(free_port)
