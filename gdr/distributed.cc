@@ -283,6 +283,61 @@ std::vector<at::Tensor> PairwiseSum::finish() {
   return out;
 }
 
+namespace {
+
+// The bucket rule of every gradient reduction: consecutive tensors (given by their element
+// counts) in order, a bucket closed before one would overflow bucket_elements (a larger
+// tensor is a bucket of its own). Returns [begin, end) tensor ranges.
+std::vector<std::pair<size_t, size_t>> bucket_ranges(const std::vector<int64_t>& numels,
+                                                     int64_t bucket_elements) {
+  std::vector<std::pair<size_t, size_t>> ranges;
+  size_t begin = 0;
+  while (begin < numels.size()) {
+    size_t end = begin;
+    int64_t elements = 0;
+    while (end < numels.size() && (end == begin || elements + numels[end] <= bucket_elements)) {
+      elements += numels[end];
+      ++end;
+    }
+    ranges.emplace_back(begin, end);
+    begin = end;
+  }
+  return ranges;
+}
+
+// The W gathered copies of a bucket added by the rank-order tree (Note [Gradient reduction
+// tree]).
+at::Tensor sum_over_ranks(const std::vector<at::Tensor>& copies) {
+  PairwiseSum tree;
+  for (const at::Tensor& copy : copies) tree.add({copy});
+  return tree.finish()[0];
+}
+
+// Starts an all-gather of `input` over the group; `gathered` gets one tensor per rank once
+// the returned work completes.
+c10::intrusive_ptr<c10d::Work> start_allgather(c10d::Backend& backend, int world,
+                                               const at::Tensor& input,
+                                               std::vector<at::Tensor>* gathered) {
+  std::vector<at::Tensor> inputs{input};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < world; ++r) outputs[0].push_back(at::empty_like(input));
+  c10::intrusive_ptr<c10d::Work> work = backend.allgather(outputs, inputs);
+  *gathered = std::move(outputs[0]);
+  return work;
+}
+
+absl::Status reduction_failed(int rank, int world, const std::exception& e) {
+  return absl::UnavailableError(
+      absl::StrCat("rank ", rank, " of ", world,
+                   ": gradient all-reduce failed (a peer died, or did not answer within the "
+                   "timeout, GDR_DIST_TIMEOUT_S): ",
+                   error_text(e)));
+}
+
+}  // namespace
+
+c10d::Backend& ProcessGroup::backend() const { return *impl_->backend; }
+
 absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors,
                                           const std::vector<double>& extra,
                                           std::vector<std::vector<double>>* gathered_extra,
@@ -291,11 +346,9 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
   try {
     at::NoGradGuard no_grad;
     auto allgather = [&](const at::Tensor& input) {
-      std::vector<at::Tensor> inputs{input};
-      std::vector<std::vector<at::Tensor>> outputs(1);
-      for (int r = 0; r < world; ++r) outputs[0].push_back(at::empty_like(input));
-      impl_->backend->allgather(outputs, inputs)->wait();
-      return outputs[0];
+      std::vector<at::Tensor> gathered;
+      start_allgather(backend(), world, input, &gathered)->wait();
+      return gathered;
     };
     // NCCL moves CUDA tensors only; the all-gather is pure data movement either way, and
     // the sum below runs on the tensors' device by the same tree.
@@ -310,11 +363,10 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
         gathered_extra->emplace_back(p, p + t.numel());
       }
     }
-    // Buckets: consecutive tensors in the given order, closed before one would overflow
-    // bucket_elements (a tensor larger than that is a bucket of its own). Up to
-    // kBucketsInFlight all-gathers are queued before the oldest is waited for, so the
-    // transfers run back to back while earlier buckets are summed; the sums themselves
-    // are the same tree in the same order, so this changes no bits.
+    // Buckets by bucket_ranges. Up to kBucketsInFlight all-gathers are queued before the
+    // oldest is waited for, so the transfers run back to back while earlier buckets are
+    // summed; the sums themselves are the same tree in the same order, so this changes no
+    // bits.
     struct InFlight {
       size_t begin = 0, end = 0;
       at::Tensor input;                  // kept alive until the collective is done
@@ -326,9 +378,7 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       InFlight bucket = std::move(in_flight.front());
       in_flight.pop_front();
       bucket.work->wait();
-      PairwiseSum tree;
-      for (int r = 0; r < world; ++r) tree.add({bucket.gathered[r]});
-      const at::Tensor sum = tree.finish()[0];
+      const at::Tensor sum = sum_over_ranks(bucket.gathered);
       int64_t offset = 0;
       for (size_t i = bucket.begin; i < bucket.end; ++i) {
         const int64_t n = tensors[i].numel();
@@ -336,44 +386,29 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
         offset += n;
       }
     };
-    size_t begin = 0;
-    while (begin < tensors.size()) {
-      size_t end = begin;
-      int64_t elements = 0;
-      while (end < tensors.size() &&
-             (end == begin || elements + tensors[end].numel() <= bucket_elements)) {
-        elements += tensors[end].numel();
-        ++end;
-      }
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(
+          tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
+          "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
+          " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
+          tensors[i].device());
+      numels.push_back(tensors[i].numel());
+    }
+    for (const auto& [begin, end] : bucket_ranges(numels, bucket_elements)) {
       std::vector<at::Tensor> flat;
-      for (size_t i = begin; i < end; ++i) {
-        TORCH_CHECK(
-            tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
-            "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
-            " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
-            tensors[i].device());
-        flat.push_back(tensors[i].reshape({-1}));
-      }
+      for (size_t i = begin; i < end; ++i) flat.push_back(tensors[i].reshape({-1}));
       InFlight bucket;
       bucket.begin = begin;
       bucket.end = end;
       bucket.input = at::cat(flat);
-      std::vector<at::Tensor> inputs{bucket.input};
-      std::vector<std::vector<at::Tensor>> outputs(1);
-      for (int r = 0; r < world; ++r) outputs[0].push_back(at::empty_like(bucket.input));
-      bucket.work = impl_->backend->allgather(outputs, inputs);
-      bucket.gathered = std::move(outputs[0]);
+      bucket.work = start_allgather(backend(), world, bucket.input, &bucket.gathered);
       in_flight.push_back(std::move(bucket));
       if (static_cast<int>(in_flight.size()) >= kBucketsInFlight) finish_oldest();
-      begin = end;
     }
     while (!in_flight.empty()) finish_oldest();
   } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("rank ", env_.rank, " of ", world,
-                     ": gradient all-reduce failed (a peer died, or did not answer within the "
-                     "timeout, GDR_DIST_TIMEOUT_S): ",
-                     error_text(e)));
+    return reduction_failed(env_.rank, world, e);
   }
   return absl::OkStatus();
 }
@@ -400,22 +435,18 @@ OverlappedReduction::OverlappedReduction(ProcessGroup& group,
   st.group = &group;
   st.shapes = shapes;
   st.is_set.assign(shapes.size(), false);
-  // The bucket rule of all_reduce_sum: consecutive tensors, a bucket closed before one would
-  // overflow bucket_elements (a larger tensor is a bucket of its own).
-  int64_t filled = 0;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    const int64_t n = c10::multiply_integers(shapes[i]);
-    if (st.missing.empty() || (filled > 0 && filled + n > bucket_elements)) {
-      if (!st.missing.empty()) st.flat.push_back(at::empty({filled}, options.dtype(at::kFloat)));
-      st.missing.push_back(0);
-      filled = 0;
+  std::vector<int64_t> numels;
+  for (const std::vector<int64_t>& shape : shapes) numels.push_back(c10::multiply_integers(shape));
+  for (const auto& [begin, end] : bucket_ranges(numels, bucket_elements)) {
+    int64_t filled = 0;
+    for (size_t i = begin; i < end; ++i) {
+      st.bucket_of.push_back(st.flat.size());
+      st.offset_in_bucket.push_back(filled);
+      filled += numels[i];
     }
-    st.bucket_of.push_back(st.missing.size() - 1);
-    st.offset_in_bucket.push_back(filled);
-    ++st.missing.back();
-    filled += n;
+    st.missing.push_back(static_cast<int>(end - begin));
+    st.flat.push_back(at::empty({filled}, options.dtype(at::kFloat)));
   }
-  if (!st.missing.empty()) st.flat.push_back(at::empty({filled}, options.dtype(at::kFloat)));
   st.gathered.resize(st.flat.size());
   st.works.resize(st.flat.size());
   st.next_to_start = static_cast<int64_t>(st.flat.size()) - 1;
@@ -427,13 +458,8 @@ void OverlappedReduction::start_ready_buckets() {
   State& st = *state_;
   while (st.next_to_start >= 0 && st.missing[st.next_to_start] == 0) {
     const size_t b = static_cast<size_t>(st.next_to_start);
-    std::vector<at::Tensor> inputs{st.flat[b]};
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int r = 0; r < st.group->world_size(); ++r) {
-      outputs[0].push_back(at::empty_like(st.flat[b]));
-    }
-    st.works[b] = st.group->impl_->backend->allgather(outputs, inputs);
-    st.gathered[b] = std::move(outputs[0]);
+    st.works[b] =
+        start_allgather(st.group->backend(), st.group->world_size(), st.flat[b], &st.gathered[b]);
     --st.next_to_start;
   }
 }
@@ -475,9 +501,7 @@ absl::StatusOr<std::vector<at::Tensor>> OverlappedReduction::finish() {
     // Wait in start order (last bucket first), then the rank-order tree of all_reduce_sum.
     for (int64_t b = static_cast<int64_t>(st.flat.size()) - 1; b >= 0; --b) {
       st.works[b]->wait();
-      PairwiseSum tree;
-      for (int r = 0; r < world; ++r) tree.add({st.gathered[b][r]});
-      sums[b] = tree.finish()[0];
+      sums[b] = sum_over_ranks(st.gathered[b]);
     }
     for (size_t i = 0; i < st.shapes.size(); ++i) {
       out[i] = sums[st.bucket_of[i]]
@@ -485,11 +509,7 @@ absl::StatusOr<std::vector<at::Tensor>> OverlappedReduction::finish() {
                    .view(st.shapes[i]);
     }
   } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("rank ", st.group->rank(), " of ", world,
-                     ": gradient all-reduce failed (a peer died, or did not answer within the "
-                     "timeout, GDR_DIST_TIMEOUT_S): ",
-                     error_text(e)));
+    return reduction_failed(st.group->rank(), world, e);
   }
   return out;
 }

@@ -40,6 +40,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+namespace c10d {
+class Backend;
+}  // namespace c10d
+
 namespace gdr {
 
 struct DistEnv {
@@ -94,6 +98,7 @@ class ProcessGroup {
 
  private:
   friend class OverlappedReduction;
+  c10d::Backend& backend() const;  // Gloo or NCCL, for the reductions in distributed.cc
   struct Impl;
   ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl);
   DistEnv env_;
