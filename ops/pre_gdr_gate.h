@@ -4,7 +4,9 @@
 // a, b: [B, S, Hv] or [T, Hv], FP32/FP16/BF16, same dtype, any strides (no copies are
 // made on CUDA). A_log, dt_bias: [Hv], FP32/FP16/BF16, same dtype. Outputs are
 // contiguous FP32 of a's shape. CUDA work runs on the current CUDA stream with scratch
-// from the caching allocator.
+// from the caching allocator. On CUDA, g and beta are two non-overlapping tensors of one
+// allocation, as are da and db (and the backward's scratch); dA_log and ddt_bias share a
+// small allocation of their own (Note [Gate host path] in pre_gdr_gate_cuda.cc).
 //
 // Backward (through autograd or pre_gdr_gate_backward): da/db in the dtype of a/b,
 // dA_log/ddt_bias in the parameters' dtype. On CUDA the per-head sums use atomics and a
