@@ -1,5 +1,6 @@
 #include "ops/autotune.h"
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -44,10 +45,17 @@ void store_choice(const std::string& key, int index) {
 
 }  // namespace autotune_internal
 
+namespace {
+std::atomic<int64_t> g_generation{0};
+}  // namespace
+
 void clear_autotune_cache() {
   std::lock_guard<std::mutex> lock(cache_mutex());
   cache().clear();
+  g_generation.fetch_add(1);
 }
+
+int64_t autotune_cache_generation() { return g_generation.load(); }
 
 int64_t autotune_cache_size() {
   std::lock_guard<std::mutex> lock(cache_mutex());

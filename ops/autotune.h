@@ -39,6 +39,9 @@ void store_choice(const std::string& key, int index);
 // Forgets every timed choice (tests use it to force re-tuning).
 void clear_autotune_cache();
 int64_t autotune_cache_size();
+// Incremented by every clear_autotune_cache(): callers that keep their own copy of a
+// choice (e.g. the gate op's per-shape cache) drop it when the generation moves.
+int64_t autotune_cache_generation();
 
 // `static_cost` must be a pure function of the shapes; `time_ms` runs one candidate and
 // returns its time (it is only called in default mode, on a cache miss). An empty

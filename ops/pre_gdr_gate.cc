@@ -12,10 +12,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/pre_gdr_gate_math.h"
@@ -219,6 +221,78 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
       time_ms);
 }
 
+namespace {
+
+// Note [Gate per-shape tile cache].
+struct CachedTile {
+  kernels::GateTile tile;
+  SelectionSource source;
+  int64_t generation;
+};
+
+struct SelectionKeyHash {
+  size_t operator()(const std::array<int64_t, 9>& k) const {
+    size_t h = 0;
+    for (int64_t v : k) h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+std::mutex g_tile_cache_mutex;
+std::unordered_map<std::array<int64_t, 9>, CachedTile, SelectionKeyHash>& tile_cache() {
+  static auto* cache =
+      new std::unordered_map<std::array<int64_t, 9>, CachedTile, SelectionKeyHash>();
+  return *cache;
+}
+
+int64_t token_bucket(int64_t tokens) {
+  int64_t bucket = 1;
+  while (bucket < tokens) bucket <<= 1;
+  return bucket;
+}
+
+}  // namespace
+
+TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
+    const GateSelectionKey& key, bool deterministic, const std::function<std::string()>& dtype_key,
+    const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer) {
+  if (std::optional<kernels::GateTile> tile = pre_gdr_gate_tile_override()) {
+    return {*tile, SelectionSource::kOverride};
+  }
+  // Deterministic: the rule sees the exact token count; default: the autotuner's bucket.
+  const std::array<int64_t, 9> cache_key = {
+      deterministic ? 1 : 0,
+      deterministic ? key.shape.tokens() : token_bucket(key.shape.tokens()),
+      key.shape.heads,
+      key.input_dtype,
+      key.param_dtype,
+      key.contiguous ? 1 : 0,
+      key.device_index,
+      key.input_element_bytes,
+      0};
+  const int64_t generation = autotune_cache_generation();
+  {
+    std::lock_guard<std::mutex> lock(g_tile_cache_mutex);
+    auto it = tile_cache().find(cache_key);
+    if (it != tile_cache().end() && it->second.generation == generation) {
+      return {it->second.tile, it->second.source};
+    }
+  }
+  const TileSelection<kernels::GateTile> selection =
+      select_pre_gdr_gate_tile(key.shape, dtype_key(), key.device_index, deterministic,
+                               deterministic ? nullptr : make_timer(), key.input_element_bytes);
+  const bool cacheable = deterministic ? selection.source == SelectionSource::kStaticCost
+                                       : selection.source == SelectionSource::kAutotuneTimed ||
+                                             selection.source == SelectionSource::kAutotuneCache;
+  if (cacheable) {
+    const SelectionSource later =
+        deterministic ? SelectionSource::kStaticCost : SelectionSource::kAutotuneCache;
+    std::lock_guard<std::mutex> lock(g_tile_cache_mutex);
+    tile_cache()[cache_key] = {selection.config, later, generation};
+  }
+  return selection;
+}
+
 // ---------------------------------------------------------------------------
 // CPU implementation: the same scalar formulas (kernels/pre_gdr_gate_math.h) in FP32,
 // per-head sums accumulated in FP64 in token order (deterministic by construction).
@@ -358,6 +432,14 @@ class PreGdrGateFunction : public torch::autograd::Function<PreGdrGateFunction> 
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_autograd(const at::Tensor& a, const at::Tensor& b,
                                                          const at::Tensor& A_log,
                                                          const at::Tensor& dt_bias) {
+  // Nothing to differentiate: skip the custom Function (a node, saved variables and
+  // output wrapping, several microseconds of host time) and call the kernel below
+  // autograd, which is what apply() would do. The outputs have no grad_fn either way.
+  if (!at::GradMode::is_enabled() || !(a.requires_grad() || b.requires_grad() ||
+                                       A_log.requires_grad() || dt_bias.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(a, b, A_log, dt_bias);
+  }
   auto outputs = PreGdrGateFunction::apply(a, b, A_log, dt_bias);
   return {outputs[0], outputs[1]};
 }

@@ -4,7 +4,9 @@
 // a, b: [B, S, Hv] or [T, Hv], FP32/FP16/BF16, same dtype, any strides (no copies are
 // made on CUDA). A_log, dt_bias: [Hv], FP32/FP16/BF16, same dtype. Outputs are
 // contiguous FP32 of a's shape. CUDA work runs on the current CUDA stream with scratch
-// from the caching allocator.
+// from the caching allocator. On CUDA, g and beta are two non-overlapping tensors of one
+// allocation, as are da and db (and the backward's scratch); dA_log and ddt_bias share a
+// small allocation of their own (Note [Gate host path] in pre_gdr_gate_cuda.cc).
 //
 // Backward (through autograd or pre_gdr_gate_backward): da/db in the dtype of a/b,
 // dA_log/ddt_bias in the parameters' dtype. On CUDA the per-head sums use atomics and a
@@ -16,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -53,6 +56,30 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,
     bool deterministic, const std::function<double(const kernels::GateTile&)>& time_ms,
     int input_element_bytes = 2);
+
+// What identifies a backward call for tile selection (Note [Gate per-shape tile cache]).
+struct GateSelectionKey {
+  kernels::GateShape shape;
+  int input_dtype = 0;  // at::ScalarType values
+  int param_dtype = 0;
+  bool contiguous = true;
+  int device_index = 0;
+  int input_element_bytes = 2;
+};
+
+// Note [Gate per-shape tile cache]: the CUDA backward's tile choice on the hot path. The
+// override (API, then GDR_PRE_GDR_GATE_TILE) is consulted on every call and wins; then a
+// per-key cache of earlier choices answers without building string keys or re-running
+// the cost rule: in deterministic mode the static rule's choice (a pure function of the
+// shape, cached per exact shape), in default mode the autotuned choice (per token bucket,
+// dropped when clear_autotune_cache() runs). On a miss it calls select_pre_gdr_gate_tile
+// with the dtype key and the timing function the factories make (called only then: the
+// factory may return an empty function when timing is impossible, e.g. during graph
+// capture, and such an untimed choice is not cached). Sources reported are those of
+// select_pre_gdr_gate_tile (kStaticCost / kAutotuneCache once cached).
+TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
+    const GateSelectionKey& key, bool deterministic, const std::function<std::string()>& dtype_key,
+    const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer);
 
 // Which ordered (deterministic) reduction the CUDA backward uses. kAuto = two pass (the
 // faster on the H200); kSinglePass needs Hv <= kernels::kSinglePassMaxHeads and a ticket

@@ -2,6 +2,7 @@
 // caching allocator, tile selection and the two reduction modes (see
 // Note [Tile selection] and kernels/pre_gdr_gate.cu). Registered for the CUDA dispatch
 // key; linked into CUDA binaries only.
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,6 +32,35 @@ void check_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
+// Note [Gate host path]: at the 0.8B shape the GPU work of a call is 2-5 us and the host
+// work around it (dispatcher, allocations, views, launches) is several times more, which
+// is what eager timings and the autograd engine see. So each call makes one allocation
+// for its large outputs (plus scratch) and carves the tensors out of it without the
+// dispatcher, returns per-head gradients written by a kernel in the parameter dtype (no
+// select views, no casts), and takes its tile from a per-shape cache
+// (Note [Gate per-shape tile cache]).
+constexpr int64_t kCarveAlign = 256;  // bytes; keeps every carved tensor 16-byte aligned
+
+int64_t align_up(int64_t bytes) { return (bytes + kCarveAlign - 1) / kCarveAlign * kCarveAlign; }
+
+// One uninitialised byte buffer on a's device from the caching allocator.
+at::Tensor allocate_bytes(int64_t bytes, const at::Tensor& like) {
+  return at::detail::empty_cuda({bytes}, at::kByte, like.device(), std::nullopt);
+}
+
+// A contiguous tensor of `sizes` x `dtype` at `byte_offset` of `block`'s storage, made
+// without the dispatcher (a TensorImpl on the shared storage, as at::from_blob would, but
+// keeping the allocation alive). The tensors carved from one block do not overlap.
+at::Tensor carve(const at::Tensor& block, int64_t byte_offset, at::IntArrayRef sizes,
+                 at::ScalarType dtype) {
+  const caffe2::TypeMeta meta = c10::scalarTypeToTypeMeta(dtype);
+  auto impl =
+      c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(), meta);
+  impl->set_storage_offset(byte_offset / static_cast<int64_t>(meta.itemsize()));
+  impl->set_sizes_contiguous(sizes);
+  return at::Tensor(std::move(impl));
+}
+
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cuda(const at::Tensor& a,
                                                              const at::Tensor& b,
                                                              const at::Tensor& A_log,
@@ -39,8 +69,11 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cuda(const at::Tensor& a
   const c10::cuda::CUDAGuard device_guard(a.device());
   const at::Tensor A_log_c = A_log.contiguous();
   const at::Tensor dt_bias_c = dt_bias.contiguous();
-  at::Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat));
-  at::Tensor beta = at::empty(a.sizes(), a.options().dtype(at::kFloat));
+  // g and beta: one allocation (Note [Gate host path]).
+  const int64_t out_bytes = align_up(a.numel() * int64_t{sizeof(float)});
+  const at::Tensor block = allocate_bytes(2 * out_bytes, a);
+  at::Tensor g = carve(block, 0, a.sizes(), at::kFloat);
+  at::Tensor beta = carve(block, out_bytes, a.sizes(), at::kFloat);
   kernels::GateForwardArgs args;
   args.shape = gate_shape(a);
   args.input_kind = scalar_kind(a);
@@ -49,8 +82,8 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cuda(const at::Tensor& a
   args.b = strided_operand(b);
   args.A_log = A_log_c.data_ptr();
   args.dt_bias = dt_bias_c.data_ptr();
-  args.g = g.data_ptr<float>();
-  args.beta = beta.data_ptr<float>();
+  args.g = static_cast<float*>(g.data_ptr());
+  args.beta = static_cast<float*>(beta.data_ptr());
   check_launch(
       kernels::launch_pre_gdr_gate_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
       "forward");
@@ -114,8 +147,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const at::Tensor A_log_c = A_log.contiguous();
   const at::Tensor dt_bias_c = dt_bias.contiguous();
-  at::Tensor da = at::empty(a.sizes(), a.options());
-  at::Tensor db = at::empty(b.sizes(), b.options());
 
   kernels::GateBackwardArgs args;
   args.shape = gate_shape(a);
@@ -127,43 +158,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   args.grad_beta = strided_operand(grad_beta);
   args.A_log = A_log_c.data_ptr();
   args.dt_bias = dt_bias_c.data_ptr();
-  args.da = da.data_ptr();
-  args.db = db.data_ptr();
   const int64_t heads = args.shape.heads;
 
+  // Read at every call: flipping the mode between calls switches paths.
   const bool ordered = use_deterministic_mode();
-  const std::string dtype_key = std::string("in=") + c10::toString(a.scalar_type()) +
-                                "|param=" + c10::toString(A_log.scalar_type()) + "|contiguous=" +
-                                (a.is_contiguous() && b.is_contiguous() ? "1" : "0");
-  at::Tensor accumulator;  // atomic mode only: FP32 [2, Hv]
-  if (!ordered) accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
-  // Timing needs cudaEventSynchronize, which a capturing stream forbids: during graph
-  // capture a cache miss takes the static rule instead (Note [Tile selection]).
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-    (void)cudaGetLastError();  // do not let the query's error surface as a launch failure
-    capture = cudaStreamCaptureStatusNone;
-  }
-  std::function<double(const kernels::GateTile&)> time_ms;
-  if (capture == cudaStreamCaptureStatusNone) {
-    time_ms = [&](const kernels::GateTile& tile) {
-      return time_atomic_backward(args, tile, accumulator.data_ptr<float>(), stream);
+  GateSelectionKey key;
+  key.shape = args.shape;
+  key.input_dtype = static_cast<int>(a.scalar_type());
+  key.param_dtype = static_cast<int>(A_log.scalar_type());
+  key.contiguous = a.is_contiguous() && b.is_contiguous();
+  key.device_index = a.get_device();
+  key.input_element_bytes = static_cast<int>(a.element_size());
+  // Only on a cache miss in default mode: the timing trials need a zeroed accumulator of
+  // their own, and timing needs cudaEventSynchronize, which a capturing stream forbids
+  // (then the static rule answers, uncached: Note [Tile selection]).
+  at::Tensor trial_accumulator, trial_da, trial_db;
+  auto make_timer = [&]() -> std::function<double(const kernels::GateTile&)> {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+      (void)cudaGetLastError();  // do not let the query's error surface as a launch failure
+      capture = cudaStreamCaptureStatusNone;
+    }
+    if (capture != cudaStreamCaptureStatusNone) return nullptr;
+    trial_accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
+    trial_da = at::empty(a.sizes(), a.options());
+    trial_db = at::empty(b.sizes(), b.options());
+    return [&](const kernels::GateTile& tile) {
+      kernels::GateBackwardArgs trial = args;
+      trial.da = trial_da.data_ptr();
+      trial.db = trial_db.data_ptr();
+      return time_atomic_backward(trial, tile, trial_accumulator.data_ptr<float>(), stream);
     };
-  }
-  const TileSelection<kernels::GateTile> selection = select_pre_gdr_gate_tile(
-      args.shape, dtype_key, a.get_device(), ordered, time_ms, static_cast<int>(a.element_size()));
+  };
+  auto dtype_key = [&] {
+    return std::string("in=") + c10::toString(a.scalar_type()) +
+           "|param=" + c10::toString(A_log.scalar_type()) +
+           "|contiguous=" + (key.contiguous ? "1" : "0");
+  };
+  const TileSelection<kernels::GateTile> selection =
+      select_pre_gdr_gate_tile_cached(key, ordered, dtype_key, make_timer);
   const kernels::GateBackwardLaunch launch =
       kernels::derive_gate_backward_launch(selection.config, args.shape);
 
-  at::Tensor dA_log, ddt_bias;
+  // One allocation for da, db and the FP32 scratch (partial rows, or the atomic
+  // accumulator when it is not the output itself), one for the two per-head gradients
+  // in the parameter dtype, which autograd may keep as .grad (so they must not hold the
+  // large block alive). See Note [Gate host path].
+  const bool fp32_params = A_log.scalar_type() == at::kFloat;
+  const int64_t scratch_floats = ordered ? launch.scratch_floats : (fp32_params ? 0 : 2 * heads);
+  const int64_t da_bytes = align_up(a.numel() * static_cast<int64_t>(a.element_size()));
+  const int64_t db_bytes = align_up(b.numel() * static_cast<int64_t>(b.element_size()));
+  const at::Tensor block =
+      allocate_bytes(da_bytes + db_bytes + scratch_floats * int64_t{sizeof(float)}, a);
+  at::Tensor da = carve(block, 0, a.sizes(), a.scalar_type());
+  at::Tensor db = carve(block, da_bytes, b.sizes(), b.scalar_type());
+  float* scratch =
+      reinterpret_cast<float*>(static_cast<char*>(block.data_ptr()) + da_bytes + db_bytes);
+  // [2, Hv] in the parameter dtype: dA_log then ddt_bias (the atomic kernel's accumulator
+  // layout, so FP32 parameters take the atomics directly).
+  const int64_t param_bytes = heads * static_cast<int64_t>(A_log.element_size());
+  const at::Tensor param_block = allocate_bytes(2 * param_bytes, A_log);
+  at::Tensor dA_log = carve(param_block, 0, {heads}, A_log.scalar_type());
+  at::Tensor ddt_bias = carve(param_block, param_bytes, {heads}, A_log.scalar_type());
+  args.da = da.data_ptr();
+  args.db = db.data_ptr();
+
   kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   if (ordered) {
-    at::Tensor partials = at::empty({launch.scratch_floats}, a.options().dtype(at::kFloat));
-    // One allocation for both per-head gradients (rows of a [2, Hv] tensor), as in the
-    // atomic path: fewer allocator calls on a launch-bound path.
-    at::Tensor param_grads = at::empty({2, heads}, A_log.options());
-    dA_log = param_grads[0];
-    ddt_bias = param_grads[1];
     const OrderedVariant variant = pre_gdr_gate_ordered_variant();
     unsigned int* ticket = nullptr;
     // Two pass by default: on the H200 the single pass's serial tail in one block cost
@@ -180,29 +241,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
       args.dA_log = dA_log.data_ptr();
       args.ddt_bias = ddt_bias.data_ptr();
       args.ticket = ticket;
-      check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction,
-                                                         partials.data_ptr<float>(), stream),
-                   "single-pass ordered backward");
+      check_launch(
+          kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction, scratch, stream),
+          "single-pass ordered backward");
     } else {
       reduction = kernels::GateReduction::kOrdered;
-      check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction,
-                                                         partials.data_ptr<float>(), stream),
-                   "ordered backward");
-      check_launch(kernels::launch_pre_gdr_gate_reduce_partials(
-                       partials.data_ptr<float>(), launch.programs_t, heads, scalar_kind(A_log),
-                       dA_log.data_ptr(), ddt_bias.data_ptr(), stream),
+      check_launch(
+          kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction, scratch, stream),
+          "ordered backward");
+      check_launch(kernels::launch_pre_gdr_gate_reduce_partials(scratch, launch.programs_t, heads,
+                                                                args.param_kind, dA_log.data_ptr(),
+                                                                ddt_bias.data_ptr(), stream),
                    "ordered partial reduction");
     }
   } else {
-    TORCH_CHECK(cudaMemsetAsync(accumulator.data_ptr(), 0, 2 * heads * sizeof(float), stream) ==
-                    cudaSuccess,
+    // FP32 parameters: the atomics add straight into the outputs; otherwise into the FP32
+    // scratch, converted by the ordered pass over that one row (no cast ops).
+    float* accumulator = fp32_params ? static_cast<float*>(param_block.data_ptr()) : scratch;
+    TORCH_CHECK(cudaMemsetAsync(accumulator, 0, 2 * heads * sizeof(float), stream) == cudaSuccess,
                 "pre_gdr_gate: zeroing the [2, Hv] accumulator failed");
-    check_launch(kernels::launch_pre_gdr_gate_backward(args, selection.config,
-                                                       kernels::GateReduction::kAtomic,
-                                                       accumulator.data_ptr<float>(), stream),
+    check_launch(kernels::launch_pre_gdr_gate_backward(
+                     args, selection.config, kernels::GateReduction::kAtomic, accumulator, stream),
                  "atomic backward");
-    dA_log = accumulator[0].to(A_log.scalar_type());
-    ddt_bias = accumulator[1].to(dt_bias.scalar_type());
+    if (!fp32_params) {
+      check_launch(kernels::launch_pre_gdr_gate_reduce_partials(accumulator, 1, heads,
+                                                                args.param_kind, dA_log.data_ptr(),
+                                                                ddt_bias.data_ptr(), stream),
+                   "accumulator conversion");
+    }
   }
   PreGdrGateBackwardRecord record;
   record.ordered = ordered;

@@ -3,6 +3,7 @@
 // reference math against libtorch autograd of the unfused formulas, and the exact error
 // messages for bad input.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -191,6 +192,116 @@ TEST(GateSelection, Fp32ActivationsAimAtFewerLargerProgramsThanBf16) {
   const GateTile fp32 = select_pre_gdr_gate_tile(shape, "k", 0, true, nullptr, 4).config;
   EXPECT_EQ(bf16, (GateTile{128, 16, 256}));
   EXPECT_EQ(fp32, (GateTile{256, 16, 256}));
+}
+
+// Note [Gate per-shape tile cache]: the CUDA op's hot-path selection.
+struct CachedSelectionProbe {
+  int timer_factories = 0, timings = 0, dtype_keys = 0;
+  bool can_time = true;
+  TileSelection<GateTile> select(const GateShape& shape, bool deterministic, int bytes = 2) {
+    GateSelectionKey key;
+    key.shape = shape;
+    key.input_dtype = bytes == 2 ? 15 : 6;
+    key.param_dtype = 6;
+    key.input_element_bytes = bytes;
+    const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
+    return select_pre_gdr_gate_tile_cached(
+        key, deterministic,
+        [&] {
+          ++dtype_keys;
+          return std::string("probe_bytes=") + std::to_string(bytes);
+        },
+        [&]() -> std::function<double(const GateTile&)> {
+          ++timer_factories;
+          if (!can_time) return nullptr;
+          return [&](const GateTile& tile) {
+            ++timings;
+            return tile == candidates[3] ? 0.1 : 1.0;
+          };
+        });
+  }
+};
+
+TEST(GateCachedSelection, DeterministicModeCachesTheStaticRulePerExactShapeWithoutTiming) {
+  clear_autotune_cache();
+  CachedSelectionProbe probe;
+  for (const ShapeCase& c : shape_cases()) {
+    const GateShape shape{c.dim0, c.dim1, c.heads};
+    for (int bytes : {2, 4}) {
+      const auto first = probe.select(shape, true, bytes);
+      const auto second = probe.select(shape, true, bytes);
+      const auto slow = select_pre_gdr_gate_tile(shape, "k", 0, true, nullptr, bytes);
+      EXPECT_EQ(first.config, slow.config) << c.name;
+      EXPECT_EQ(second.config, slow.config) << c.name;
+      EXPECT_EQ(first.source, SelectionSource::kStaticCost);
+      EXPECT_EQ(second.source, SelectionSource::kStaticCost);
+    }
+  }
+  EXPECT_EQ(probe.timer_factories, 0) << "deterministic mode never times";
+  EXPECT_EQ(probe.timings, 0);
+  EXPECT_EQ(probe.dtype_keys, 2 * static_cast<int>(shape_cases().size()))
+      << "one miss per shape and dtype, then the cache answers";
+  EXPECT_EQ(autotune_cache_size(), 0) << "deterministic mode must not touch the tuned table";
+  // A token count in the same power-of-two bucket is still a different shape to the rule.
+  const auto other = probe.select({1, 8000, 16}, true);
+  EXPECT_EQ(other.config, select_pre_gdr_gate_tile({1, 8000, 16}, "k", 0, true, nullptr).config);
+}
+
+TEST(GateCachedSelection, DefaultModeTimesOncePerBucketAndForgetsWithTheAutotuneCache) {
+  clear_autotune_cache();
+  CachedSelectionProbe probe;
+  const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
+  const auto first = probe.select({1, 8192, 16}, false);
+  EXPECT_EQ(first.config, candidates[3]);
+  EXPECT_EQ(first.source, SelectionSource::kAutotuneTimed);
+  EXPECT_EQ(probe.timings, static_cast<int>(candidates.size()));
+  const auto again = probe.select({1, 8000, 16}, false);  // same bucket
+  EXPECT_EQ(again.config, candidates[3]);
+  EXPECT_EQ(again.source, SelectionSource::kAutotuneCache);
+  EXPECT_EQ(probe.timer_factories, 1);
+  EXPECT_EQ(probe.dtype_keys, 1) << "a hit builds no string key";
+  clear_autotune_cache();
+  EXPECT_EQ(probe.select({1, 8192, 16}, false).source, SelectionSource::kAutotuneTimed);
+  EXPECT_EQ(probe.timer_factories, 2);
+}
+
+TEST(GateCachedSelection, AnUntimedChoiceIsNotCachedAndTheOverrideAlwaysWins) {
+  clear_autotune_cache();
+  CachedSelectionProbe probe;
+  probe.can_time = false;  // as during CUDA graph capture
+  const GateShape shape{1, 4096, 32};
+  EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kStaticCost);
+  EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kStaticCost);
+  EXPECT_EQ(probe.timer_factories, 2) << "the untimed choice must not be cached";
+  probe.can_time = true;
+  EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kAutotuneTimed);
+  set_pre_gdr_gate_tile_override(GateTile{64, 32, 128});
+  for (bool deterministic : {false, true}) {
+    const auto pinned = probe.select(shape, deterministic);
+    EXPECT_EQ(pinned.config, (GateTile{64, 32, 128}));
+    EXPECT_EQ(pinned.source, SelectionSource::kOverride);
+  }
+  set_pre_gdr_gate_tile_override(std::nullopt);
+  EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kAutotuneCache);
+}
+
+TEST(GateAutograd, WithoutGradientsTheForwardSkipsTheAutogradNodeAndGivesTheSameBits) {
+  at::manual_seed(3);
+  const at::Tensor a = at::randn({2, 50, 12}), b = at::randn({2, 50, 12});
+  const at::Tensor A_log = at::randn({12}), dt_bias = at::randn({12});
+  auto [g_plain, beta_plain] = pre_gdr_gate(a, b, A_log, dt_bias);
+  EXPECT_FALSE(g_plain.grad_fn());
+  const at::Tensor a_req = a.detach().requires_grad_(true);
+  auto [g_graph, beta_graph] = pre_gdr_gate(a_req, b, A_log, dt_bias);
+  EXPECT_TRUE(g_graph.grad_fn() != nullptr);
+  {
+    c10::NoGradGuard no_grad;
+    auto [g_nograd, beta_nograd] = pre_gdr_gate(a_req, b, A_log, dt_bias);
+    EXPECT_FALSE(g_nograd.grad_fn());
+    EXPECT_TRUE(at::equal(g_nograd, g_graph));
+  }
+  EXPECT_TRUE(at::equal(g_plain, g_graph.detach()));
+  EXPECT_TRUE(at::equal(beta_plain, beta_graph.detach()));
 }
 
 TEST(GateTileOverride, ParsesTheEnvironmentFormat) {

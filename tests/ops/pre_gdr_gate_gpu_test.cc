@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -166,6 +167,32 @@ TEST_F(GateGpuTest, StridedInputsAndGradientsGiveTheContiguousBits) {
     EXPECT_TRUE(bitwise_equal(flat_out[i].reshape({B, S, H}), contiguous[i])) << i;
   EXPECT_TRUE(bitwise_equal(flat_out[4], contiguous[4]));
   EXPECT_TRUE(bitwise_equal(flat_out[5], contiguous[5]));
+}
+
+TEST_F(GateGpuTest, OutputsCarvedFromOneAllocationBehaveAsSeparateTensors) {
+  const Inputs x = make_inputs(2, 300, 16, at::kBFloat16, at::kBFloat16);
+  for (bool deterministic : {false, true}) {
+    DeterministicModeGuard mode(deterministic);
+    auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+    auto [da, db, dA, ddt] =
+        pre_gdr_gate_backward(x.grad_g, x.grad_beta, x.a, x.b, x.A_log, x.dt_bias);
+    for (const at::Tensor& t : {g, beta, da, db, dA, ddt}) {
+      EXPECT_TRUE(t.is_contiguous());
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, 0u);
+    }
+    EXPECT_EQ(dA.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(dA.sizes(), x.A_log.sizes());
+    // The per-head gradients do not share the large block (autograd may keep them as
+    // .grad for the whole run).
+    EXPECT_FALSE(dA.is_alias_of(da));
+    const at::Tensor beta_before = beta.clone(), db_before = db.clone(), ddt_before = ddt.clone();
+    g.add_(1.0);
+    da.add_(1.0);
+    dA.add_(1.0);
+    EXPECT_TRUE(bitwise_equal(beta, beta_before));
+    EXPECT_TRUE(bitwise_equal(db, db_before));
+    EXPECT_TRUE(bitwise_equal(ddt, ddt_before));
+  }
 }
 
 TEST_F(GateGpuTest, SideStreamWorkMatchesTheDefaultStreamBitForBit) {
