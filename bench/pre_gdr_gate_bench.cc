@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -70,7 +71,7 @@ struct Shape {
   int64_t tokens, heads;
 };
 
-void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
+void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, bool print_host) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   at::Tensor a = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
   at::Tensor b = at::randn({1, shape.tokens, shape.heads}, cuda).to(dtype);
@@ -104,7 +105,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
     bwd_atomic = time_both(backward);
     atomic_tile = kernels::to_string(pre_gdr_gate_last_backward().tile);
   }
-  Timing bwd_two_pass;
+  Timing bwd_single_pass;
   {
     DeterministicModeGuard mode(true);
     bwd_ordered = time_both(backward);
@@ -113,7 +114,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
       ordered_tile += " single-pass";
     }
     set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
-    bwd_two_pass = time_both(backward);
+    bwd_single_pass = time_both(backward);
     set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
   }
   // Fused vs composite forward+backward through autograd (the way training runs it).
@@ -143,12 +144,45 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
       copy_fwd / fwd.graph, bwd_atomic.eager * 1e3, bwd_atomic.graph * 1e3, atomic_tile.c_str(),
       bwd_ordered.eager * 1e3, bwd_ordered.graph * 1e3, ordered_tile.c_str(),
       bwd_ordered.eager / bwd_atomic.eager, bwd_ordered.graph / bwd_atomic.graph,
-      bwd_two_pass.eager * 1e3, bwd_two_pass.graph * 1e3, gbs(bwd_bytes, bwd_ordered.graph),
+      bwd_single_pass.eager * 1e3, bwd_single_pass.graph * 1e3, gbs(bwd_bytes, bwd_ordered.graph),
       copy_bwd / bwd_ordered.graph, fused_fb.eager * 1e3, fused_fb.graph * 1e3,
       composite_fb.eager * 1e3, composite_fb.graph * 1e3, composite_fb.eager / fused_fb.eager,
       composite_fb.graph / fused_fb.graph);
   std::fflush(stdout);
 
+  if (print_host) {
+    // Host cost of one call: back-to-back calls with no synchronisation, so the GPU
+    // (2-5 us of work per call here) never holds the host back; the wall time per call
+    // is what the host spends in the op, dispatcher and launches.
+    auto host_us = [](const std::function<void()>& fn) {
+      for (int i = 0; i < 20; ++i) fn();
+      cudaDeviceSynchronize();
+      constexpr int kCalls = 200;
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < kCalls; ++i) fn();
+      const auto end = std::chrono::steady_clock::now();
+      cudaDeviceSynchronize();
+      return std::chrono::duration<double, std::micro>(end - start).count() / kCalls;
+    };
+    double atomic_us, two_pass_us, single_pass_us;
+    {
+      DeterministicModeGuard mode(false);
+      atomic_us = host_us(backward);
+    }
+    {
+      DeterministicModeGuard mode(true);
+      two_pass_us = host_us(backward);
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+      single_pass_us = host_us(backward);
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+    }
+    std::printf(
+        "host us/call tokens=%lld heads=%lld %s: forward %.2f, backward atomic %.2f, "
+        "ordered two-pass %.2f, ordered single-pass %.2f\n",
+        static_cast<long long>(shape.tokens), static_cast<long long>(shape.heads),
+        c10::toString(dtype), host_us([&] { pre_gdr_gate(a, b, A_log, dt_bias); }), atomic_us,
+        two_pass_us, single_pass_us);
+  }
   if (!print_tiles) return;
   const kernels::GateShape gshape{1, shape.tokens, shape.heads};
   for (const kernels::GateTile& tile : kernels::pre_gdr_gate_candidate_tiles()) {
@@ -177,22 +211,26 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles) {
 
 int main(int argc, char** argv) {
   bool print_tiles = false;
+  bool print_host = false;
   std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
   std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kFloat};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: pre_gdr_gate_bench [--tiles] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
+          "usage: pre_gdr_gate_bench [--tiles] [--host] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
           "  --tiles   also time every candidate tile of the backward in both modes (BF16)\n"
+          "  --host    also print the host time per call of the forward and each backward\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;
     }
     if (arg == "--tiles") {
       print_tiles = true;
+    } else if (arg == "--host") {
+      print_host = true;
     } else if (arg.rfind("--shapes=", 0) == 0) {
       shapes.clear();
       std::stringstream list(arg.substr(9));
@@ -238,11 +276,11 @@ int main(int argc, char** argv) {
       "composite fwd+bwd | composite/fused |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (at::ScalarType dtype : dtypes) {
-    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false);
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, false, print_host);
   }
   if (print_tiles) {
     std::printf("\n");
-    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true);
+    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true, false);
   }
   return 0;
 }

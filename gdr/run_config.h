@@ -16,7 +16,7 @@
 //               snapshot_dir ("" = none; a state snapshot after every step),
 //               on_nonfinite: stop | skip,
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
-//               overlap_grad_reduction: false | true (DP: reduce during the last backward)
+//               overlap_grad_reduction: true | false (DP: reduce during the last backward)
 // Every section is optional except `model:`; a missing key keeps its default below.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message is
@@ -90,7 +90,7 @@ struct TrainConfig {
   int64_t num_threads = 0;
   // Data parallelism: start the gradient reduction during the last microbatch's backward
   // (Note [Overlapped gradient reduction] in gdr/distributed.h); same bits either way.
-  bool overlap_grad_reduction = false;
+  bool overlap_grad_reduction = true;
 };
 
 struct RunConfig {

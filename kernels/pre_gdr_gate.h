@@ -98,20 +98,24 @@ struct GateBackwardArgs {
   const void* dt_bias = nullptr;
   void* da = nullptr;  // [tokens, heads] contiguous, input_kind
   void* db = nullptr;
-  // kOrderedSinglePass only: outputs ([heads], param_kind) and the stream's ticket
-  // counter (zero before the launch; the kernel leaves it zero again).
+  // kOrderedSinglePass only: outputs ([heads], param_kind) and the index of the ticket
+  // counter in the device array of kGateTicketSlots counters, which the launch must not
+  // share with any launch that may run concurrently (Note [Single-pass ordered
+  // reduction] in the .cu); the kernel leaves it zero again.
   void* dA_log = nullptr;
   void* ddt_bias = nullptr;
-  unsigned int* ticket = nullptr;
+  int ticket_slot = -1;
 };
 
 // kAtomic: per-program sums atomically added (default mode; bits may vary run to run).
 // kOrdered: partial rows + the ordered second kernel (launch_..._reduce_partials).
-// kOrderedSinglePass: partial rows, summed in fixed order by the last program to finish
-// (Note [Single-pass ordered reduction] in the .cu); needs 2 * heads <= 128.
+// kOrderedSinglePass: partial rows, summed by the last program to finish in the same
+// order as kOrdered's second kernel, so both give the same bits (Note [Single-pass
+// ordered reduction] in the .cu); needs tile.threads >= kSinglePassMinThreads.
 enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 
-constexpr int64_t kSinglePassMaxHeads = 64;
+constexpr int kSinglePassMinThreads = 128;
+constexpr int kGateTicketSlots = 4096;
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);

@@ -90,9 +90,10 @@ std::set<std::string> kernel_names(const std::string& source) {
 }
 
 std::set<std::string> kernels_using_atomics(const std::string& source) {
-  // CUDA atomic intrinsics (atomicAdd, atomicAdd_block, atomicCAS, ...) and inline PTX
-  // reductions/atomics.
-  static const std::regex kAtomic(R"(\batomic[A-Z][A-Za-z_]*\s*\(|\bred\.|\batom\.)");
+  // CUDA atomic intrinsics (atomicAdd, atomicAdd_block, atomicCAS, ...), libcu++ atomics
+  // (cuda::atomic_ref, cuda::atomic) and inline PTX reductions/atomics.
+  static const std::regex kAtomic(
+      R"(\batomic[A-Z][A-Za-z_]*\s*\(|\batomic_ref\b|\bcuda::atomic\b|\bred\.|\batom\.)");
   const std::vector<KernelSpan> spans = kernel_spans(source);
   std::set<std::string> users;
   for (auto it = std::sregex_iterator(source.begin(), source.end(), kAtomic);

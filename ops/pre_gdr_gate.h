@@ -82,10 +82,10 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
     const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer);
 
 // Which ordered (deterministic) reduction the CUDA backward uses. kAuto = two pass (the
-// faster on the H200); kSinglePass needs Hv <= kernels::kSinglePassMaxHeads and a ticket
-// counter made outside graph capture. Also settable with
-// GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both are bit-reproducible; they
-// may differ from each other in the last bits.
+// faster on the H200); kSinglePass (one launch; the last program sums) needs a tile of at
+// least kernels::kSinglePassMinThreads threads and a free ticket slot, and fails otherwise. Also
+// settable with GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both variants sum in
+// the same order, so they give the same bits (Note [Single-pass ordered reduction]).
 enum class OrderedVariant { kAuto, kSinglePass, kTwoPass };
 void set_pre_gdr_gate_ordered_variant(OrderedVariant variant);
 OrderedVariant pre_gdr_gate_ordered_variant();

@@ -11,8 +11,9 @@
 
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <mutex>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kernels/pre_gdr_gate.h"
@@ -117,26 +118,34 @@ double time_atomic_backward(const kernels::GateBackwardArgs& args, const kernels
   return samples[samples.size() / 2];
 }
 
-// One ticket counter per stream for the single-pass ordered reduction (Note
-// [Single-pass ordered reduction]): launches on one stream are serialised, so they can
-// share a counter, which every launch leaves at zero. Counters live for the process.
-// nullptr when none exists yet and the stream is capturing a graph (no cudaMalloc then).
-unsigned int* ticket_counter_for(cudaStream_t stream) {
+// Ticket counter slots of the single-pass ordered reduction (Note [Single-pass ordered
+// reduction] in kernels/pre_gdr_gate.cu): one per (device, stream) for eager launches,
+// which a stream runs one after another, and a fresh one for every launch captured into
+// a graph, which keeps it for good: a graph may be replayed on any stream, concurrently
+// with eager work on the stream it was captured from. -1 when the slots are used up; the
+// caller then takes the two-pass variant, which gives the same bits.
+int ticket_slot_for(cudaStream_t stream, int device, bool capturing) {
   static std::mutex mutex;
-  static std::unordered_map<cudaStream_t, unsigned int*> counters;
+  static std::map<std::pair<int, cudaStream_t>, int> eager_slots;
+  static int next_slot = 0;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = counters.find(stream);
-  if (it != counters.end()) return it->second;
+  if (!capturing) {
+    auto it = eager_slots.find({device, stream});
+    if (it != eager_slots.end()) return it->second;
+  }
+  if (next_slot >= kernels::kGateTicketSlots) return -1;
+  const int slot = next_slot++;
+  if (!capturing) eager_slots.emplace(std::make_pair(device, stream), slot);
+  return slot;
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaStreamIsCapturing(stream, &capture);
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
-  unsigned int* counter = nullptr;
-  TORCH_CHECK(cudaMalloc(&counter, sizeof(unsigned int)) == cudaSuccess,
-              "pre_gdr_gate: allocating the ticket counter failed");
-  TORCH_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream) == cudaSuccess,
-              "pre_gdr_gate: zeroing the ticket counter failed");
-  counters.emplace(stream, counter);
-  return counter;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();  // do not let the query's error surface as a launch failure
+    return false;
+  }
+  return capture != cudaStreamCaptureStatusNone;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward_cuda(
@@ -174,12 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   // (then the static rule answers, uncached: Note [Tile selection]).
   at::Tensor trial_accumulator, trial_da, trial_db;
   auto make_timer = [&]() -> std::function<double(const kernels::GateTile&)> {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-      (void)cudaGetLastError();  // do not let the query's error surface as a launch failure
-      capture = cudaStreamCaptureStatusNone;
-    }
-    if (capture != cudaStreamCaptureStatusNone) return nullptr;
+    if (stream_is_capturing(stream)) return nullptr;
     trial_accumulator = at::empty({2, heads}, a.options().dtype(at::kFloat));
     trial_da = at::empty(a.sizes(), a.options());
     trial_db = at::empty(b.sizes(), b.options());
@@ -225,22 +229,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
 
   kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   if (ordered) {
+    // Two pass by default: on the H200 the last program's serial tail costs more than
+    // the second launch it saves, in graphs and in eager calls alike (docs/benchmarks.md).
+    // Both variants give the same bits (Note [Single-pass ordered reduction]).
     const OrderedVariant variant = pre_gdr_gate_ordered_variant();
-    unsigned int* ticket = nullptr;
-    // Two pass by default: on the H200 the single pass's serial tail in one block cost
-    // more than the second launch it saves (docs/benchmarks.md).
-    if (variant == OrderedVariant::kSinglePass && heads <= kernels::kSinglePassMaxHeads) {
-      ticket = ticket_counter_for(stream);
+    int ticket_slot = -1;
+    const bool tile_fits = selection.config.threads >= kernels::kSinglePassMinThreads;
+    if (variant == OrderedVariant::kSinglePass && tile_fits) {
+      ticket_slot = ticket_slot_for(stream, a.get_device(), stream_is_capturing(stream));
     }
-    TORCH_CHECK(variant != OrderedVariant::kSinglePass || ticket != nullptr,
-                "pre_gdr_gate: the single-pass ordered reduction was requested but needs Hv <= ",
-                kernels::kSinglePassMaxHeads, " (got ", heads,
-                ") and a ticket counter made outside graph capture");
-    if (ticket != nullptr) {
+    TORCH_CHECK(variant != OrderedVariant::kSinglePass || ticket_slot >= 0,
+                "pre_gdr_gate: the single-pass ordered reduction was requested but needs a tile "
+                "of at least ",
+                kernels::kSinglePassMinThreads, " threads (got ",
+                kernels::to_string(selection.config), ") and a free ticket slot (",
+                kernels::kGateTicketSlots, " per process)");
+    if (ticket_slot >= 0) {
       reduction = kernels::GateReduction::kOrderedSinglePass;
       args.dA_log = dA_log.data_ptr();
       args.ddt_bias = ddt_bias.data_ptr();
-      args.ticket = ticket;
+      args.ticket_slot = ticket_slot;
       check_launch(
           kernels::launch_pre_gdr_gate_backward(args, selection.config, reduction, scratch, stream),
           "single-pass ordered backward");

@@ -67,16 +67,17 @@ expect_rc 0 "DP=2 resumed step 2 equal (rank 1)" "$COMPARE" "$OUT/a/snap/step_2"
 
 # 2b. The reduction overlapped with the last backward (Note [Overlapped gradient
 # reduction]) gives the same bits, with one and with several buckets in flight per step.
-run_dp 2 overlap --set=train.grad_accum=2 --set=train.overlap_grad_reduction=true
-expect_rc 0 "overlapped == not overlapped" "$COMPARE" "$OUT/a/snap" "$OUT/overlap/snap"
-expect_rc 0 "overlapped ranks equal" "$COMPARE" "$OUT/overlap/snap" "$OUT/overlap/snap.rank1"
+run_dp 2 plain --set=train.grad_accum=2 --set=train.overlap_grad_reduction=false
+expect_rc 0 "overlapped (default) == not overlapped" "$COMPARE" "$OUT/a/snap" "$OUT/plain/snap"
+expect_rc 0 "not-overlapped ranks equal" "$COMPARE" "$OUT/plain/snap" "$OUT/plain/snap.rank1"
 run_dp 2 overlap_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16 \
   --set=train.overlap_grad_reduction=true
-run_dp 2 plain_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16
+run_dp 2 plain_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16 \
+  --set=train.overlap_grad_reduction=false
 expect_rc 0 "overlapped == not overlapped, bf16" "$COMPARE" "$OUT/plain_bf16/snap" \
   "$OUT/overlap_bf16/snap"
 run_dp 2 overlap1 --set=train.grad_accum=1 --set=train.overlap_grad_reduction=true
-run_dp 2 plain1 --set=train.grad_accum=1
+run_dp 2 plain1 --set=train.grad_accum=1 --set=train.overlap_grad_reduction=false
 expect_rc 0 "overlapped == not overlapped, grad_accum 1" "$COMPARE" "$OUT/plain1/snap" \
   "$OUT/overlap1/snap"
 

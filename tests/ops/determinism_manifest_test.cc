@@ -73,10 +73,15 @@ __global__ void __launch_bounds__(256) sneaky_sum(const T* in, float* out) {
   atomicAdd(out, v);
 }
 __global__ void ptx_reduce(float* out) { asm volatile("red.global.add.f32 [%0], %1;" :: "l"(out), "f"(1.0f)); }
+__global__ void libcu_ticket(unsigned* counter) {
+  cuda::atomic_ref<unsigned, cuda::thread_scope_device> ticket(*counter);
+  ticket.fetch_add(1u);
+}
 )";
   EXPECT_EQ(kernel_names(source),
-            (std::set<std::string>{"clean_kernel", "sneaky_sum", "ptx_reduce"}));
-  EXPECT_EQ(kernels_using_atomics(source), (std::set<std::string>{"sneaky_sum", "ptx_reduce"}));
+            (std::set<std::string>{"clean_kernel", "sneaky_sum", "ptx_reduce", "libcu_ticket"}));
+  EXPECT_EQ(kernels_using_atomics(source),
+            (std::set<std::string>{"sneaky_sum", "ptx_reduce", "libcu_ticket"}));
 }
 
 TEST(DeterminismManifest, MalformedLinesAreRefusedWithTheirLineNumber) {

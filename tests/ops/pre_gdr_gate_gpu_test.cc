@@ -3,6 +3,7 @@
 // replay of the deterministic backward under contention, runtime mode switching, and
 // the real autograd dispatch taking the intended path.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
@@ -275,32 +276,86 @@ TEST_F(GateGpuTest, TwoPassOrderedBackwardReplays200TimesBitExactUnderContention
   replay_under_contention(OrderedVariant::kTwoPass, kernels::GateReduction::kOrdered);
 }
 
-TEST_F(GateGpuTest, BothOrderedVariantsAgreeWithTheComposite) {
+TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
+  // Note [Single-pass ordered reduction]: the last program sums in the second kernel's
+  // order, so the variants must agree bit for bit, for any head count (several 32-slot
+  // groups at Hv = 65, 96, 200) and for partial-row counts that are and are not
+  // multiples of the 32 virtual rows.
   DeterministicModeGuard mode(true);
-  for (int64_t heads : {16, 64, 65, 96}) {
-    const Inputs x = make_inputs(2, 1500, heads, at::kBFloat16, at::kFloat);
-    const Outputs ref = run_composite(x);
-    const Outputs auto_out = run_fused(x);
-    EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered) << heads;
-    expect_close_to_composite(auto_out, ref, at::kBFloat16, "auto Hv=" + std::to_string(heads));
-    if (heads <= kernels::kSinglePassMaxHeads) {
+  for (int64_t heads : {16, 64, 65, 96, 200}) {
+    for (int64_t tokens : {1500, 8192, 40000}) {
+      const std::string context = "Hv=" + std::to_string(heads) + " T=" + std::to_string(tokens);
+      const Inputs x = make_inputs(1, tokens, heads, at::kBFloat16, at::kFloat);
+      const Outputs two_pass = run_fused(x);
+      EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered)
+          << context << ": auto must take the two-pass variant";
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
-      expect_close_to_composite(run_fused(x), ref, at::kBFloat16,
-                                "single-pass Hv=" + std::to_string(heads));
-      EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass);
+      const Outputs single_pass = run_fused(x);
+      EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass)
+          << context;
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+      expect_bitwise_equal(single_pass, two_pass, "single vs two pass " + context);
+      if (tokens == 1500) {
+        expect_close_to_composite(single_pass, run_composite(x), at::kBFloat16, context);
+      }
     }
   }
+}
+
+TEST_F(GateGpuTest, SinglePassWithATileUnder128ThreadsIsRefused) {
+  DeterministicModeGuard mode(true);
+  const Inputs x = make_inputs(1, 1000, 16, at::kFloat, at::kFloat);
+  set_pre_gdr_gate_tile_override(GateTile{64, 16, 64});
   set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
-  const Inputs wide = make_inputs(1, 100, 65, at::kFloat, at::kFloat);
   try {
-    run_fused(wide);
-    ADD_FAILURE() << "single pass with Hv = 65 must be refused";
+    run_fused(x);
+    ADD_FAILURE() << "single pass with a 64-thread tile must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "pre_gdr_gate: the single-pass ordered reduction was requested but needs Hv <= 64 "
-              "(got 65) and a ticket counter made outside graph capture");
+              "pre_gdr_gate: the single-pass ordered reduction was requested but needs a tile of "
+              "at least 128 threads (got 64x16x64) and a free ticket slot (4096 per process)");
   }
+}
+
+TEST_F(GateGpuTest, CapturedSinglePassReplaysOnAnotherStreamBesideEagerCalls) {
+  // A captured launch owns its ticket counter: replaying the graph on a second stream
+  // while eager calls run on the capture stream must not mix their tickets.
+  DeterministicModeGuard mode(true);
+  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+  const Inputs x = make_inputs(2, 4096, 32, at::kBFloat16, at::kFloat, 5);
+  const Outputs eager = run_fused(x);
+  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStream replay_stream = c10::cuda::getStreamFromPool();
+  at::cuda::CUDAGraph graph;
+  Outputs captured;
+  {
+    c10::cuda::CUDAStreamGuard guard(capture_stream);
+    run_fused(x);  // warm-up outside capture (tile cache)
+    capture_stream.synchronize();
+    graph.capture_begin();
+    captured = run_fused(x);
+    graph.capture_end();
+  }
+  EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass);
+  int mismatches = 0;
+  for (int round = 0; round < 50; ++round) {
+    {
+      c10::cuda::CUDAStreamGuard guard(replay_stream);
+      graph.replay();
+    }
+    Outputs side;
+    {
+      c10::cuda::CUDAStreamGuard guard(capture_stream);
+      side = run_fused(x);
+    }
+    replay_stream.synchronize();
+    capture_stream.synchronize();
+    for (size_t i = 0; i < eager.size(); ++i) {
+      mismatches += bitwise_equal(captured[i], eager[i]) ? 0 : 1;
+      mismatches += bitwise_equal(side[i], eager[i]) ? 0 : 1;
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
 }
 
 TEST_F(GateGpuTest, FlippingTheModeBetweenCallsSwitchesPaths) {
