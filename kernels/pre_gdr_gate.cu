@@ -187,9 +187,12 @@ constexpr int kBackwardBatch = 4;
 __device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
 
 // Tail layout: 32 slot lanes x (threads / 32) thread rows, each thread owning
-// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 128).
+// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 256).
+// Each round loads kTailUnroll programs of every owned virtual row before adding, so a
+// 32-slot group of up to 256 partial rows is one round of independent loads: the tail's
+// latency is then about one L2 round trip (this instantiation alone pays the registers).
 constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
-constexpr int kTailUnroll = 4;  // partial rows loaded per virtual row before adding
+constexpr int kTailUnroll = kSinglePassTailUnroll;
 
 template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
 __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,

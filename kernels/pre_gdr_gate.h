@@ -114,8 +114,21 @@ struct GateBackwardArgs {
 // ordered reduction] in the .cu); needs tile.threads >= kSinglePassMinThreads.
 enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 
-constexpr int kSinglePassMinThreads = 128;
+constexpr int kSinglePassMinThreads = 256;
 constexpr int kGateTicketSlots = 4096;
+
+// Partial rows the single-pass tail reads in one round of loads per 32-slot group
+// (32 virtual rows x kSinglePassTailUnroll programs each).
+constexpr int kSinglePassTailUnroll = 8;
+constexpr int64_t kSinglePassAutoMaxPartialFloats =
+    int64_t{2} * kReduceRows * kSinglePassTailUnroll * kReduceSlotsPerBlock;
+
+// The automatic choice between the ordered variants, a pure function of tile and shape
+// (both give the same bits, so this is about speed alone): single pass when the tile
+// allows it and the last program's tail reads at most kSinglePassAutoMaxPartialFloats
+// partial sums (two rounds of loads: the launch-bound shapes, where the second launch
+// costs more than the tail), two pass otherwise.
+bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);

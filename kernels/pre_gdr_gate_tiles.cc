@@ -52,6 +52,11 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
   return launch;
 }
 
+bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch) {
+  return tile.threads >= kSinglePassMinThreads &&
+         launch.scratch_floats <= kSinglePassAutoMaxPartialFloats;
+}
+
 // The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table
 // in docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
 //   (1) 256 threads, and 16 head lanes per program (one 32-byte BF16 sector per token

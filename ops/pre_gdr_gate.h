@@ -81,9 +81,10 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
     const GateSelectionKey& key, bool deterministic, const std::function<std::string()>& dtype_key,
     const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer);
 
-// Which ordered (deterministic) reduction the CUDA backward uses. kAuto = two pass (the
-// faster on the H200); kSinglePass (one launch; the last program sums) needs a tile of at
-// least kernels::kSinglePassMinThreads threads and a free ticket slot, and fails otherwise. Also
+// Which ordered (deterministic) reduction the CUDA backward uses. kAuto = single pass (one
+// launch; the last program sums) where kernels::gate_single_pass_preferred says so (small
+// problems), two pass otherwise; kSinglePass needs a tile of at least
+// kernels::kSinglePassMinThreads threads and a free ticket slot, and fails otherwise. Also
 // settable with GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both variants sum in
 // the same order, so they give the same bits (Note [Single-pass ordered reduction]).
 enum class OrderedVariant { kAuto, kSinglePass, kTwoPass };

@@ -229,13 +229,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
 
   kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   if (ordered) {
-    // Two pass by default: on the H200 the last program's serial tail costs more than
-    // the second launch it saves, in graphs and in eager calls alike (docs/benchmarks.md).
-    // Both variants give the same bits (Note [Single-pass ordered reduction]).
+    // Both variants give the same bits (Note [Single-pass ordered reduction]); kAuto takes
+    // the single pass where its one-round tail beats a second launch (small, launch-bound
+    // shapes) and two pass elsewhere (kernels::gate_single_pass_preferred).
     const OrderedVariant variant = pre_gdr_gate_ordered_variant();
     int ticket_slot = -1;
     const bool tile_fits = selection.config.threads >= kernels::kSinglePassMinThreads;
-    if (variant == OrderedVariant::kSinglePass && tile_fits) {
+    const bool wanted = variant == OrderedVariant::kSinglePass ||
+                        (variant == OrderedVariant::kAuto &&
+                         kernels::gate_single_pass_preferred(selection.config, launch));
+    if (wanted && tile_fits) {
       ticket_slot = ticket_slot_for(stream, a.get_device(), stream_is_capturing(stream));
     }
     TORCH_CHECK(variant != OrderedVariant::kSinglePass || ticket_slot >= 0,

@@ -169,6 +169,30 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
   }
 }
 
+TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
+  // Both ordered variants give the same bits; the rule only trades the single pass's
+  // one-block tail against a second launch. The 0.8B shape's deterministic tile reads
+  // 256 x 32 partial sums (one round of loads): single pass. 65536 x 64: two pass.
+  auto preferred = [](int64_t tokens, int64_t heads) {
+    const kernels::GateShape shape{1, tokens, heads};
+    const kernels::GateTile tile =
+        select_pre_gdr_gate_tile(shape, "bf16", 0, /*deterministic=*/true, nullptr, 2).config;
+    return kernels::gate_single_pass_preferred(tile,
+                                               kernels::derive_gate_backward_launch(tile, shape));
+  };
+  EXPECT_TRUE(preferred(8192, 16));
+  EXPECT_FALSE(preferred(65536, 64));
+  EXPECT_FALSE(preferred(32768, 48));
+  const kernels::GateShape small{1, 1024, 16};
+  const kernels::GateTile narrow{64, 16, 128};
+  EXPECT_FALSE(kernels::gate_single_pass_preferred(
+      narrow, kernels::derive_gate_backward_launch(narrow, small)))
+      << "a 128-thread tile cannot run the single-pass tail";
+  const kernels::GateTile wide{64, 16, 256};
+  EXPECT_TRUE(
+      kernels::gate_single_pass_preferred(wide, kernels::derive_gate_backward_launch(wide, small)));
+}
+
 TEST(GateSelection, WithoutTimingACacheMissTakesTheStaticRuleAndDoesNotCacheIt) {
   // What the CUDA op does while a stream captures a CUDA graph.
   clear_autotune_cache();

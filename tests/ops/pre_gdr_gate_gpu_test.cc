@@ -286,9 +286,17 @@ TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
     for (int64_t tokens : {1500, 8192, 40000}) {
       const std::string context = "Hv=" + std::to_string(heads) + " T=" + std::to_string(tokens);
       const Inputs x = make_inputs(1, tokens, heads, at::kBFloat16, at::kFloat);
+      run_fused(x);
+      const PreGdrGateBackwardRecord auto_record = pre_gdr_gate_last_backward();
+      EXPECT_EQ(auto_record.reduction,
+                kernels::gate_single_pass_preferred(auto_record.tile, auto_record.launch)
+                    ? kernels::GateReduction::kOrderedSinglePass
+                    : kernels::GateReduction::kOrdered)
+          << context << ": auto must follow gate_single_pass_preferred";
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kTwoPass);
       const Outputs two_pass = run_fused(x);
       EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered)
-          << context << ": auto must take the two-pass variant";
+          << context;
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
       const Outputs single_pass = run_fused(x);
       EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass)
@@ -302,18 +310,18 @@ TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
   }
 }
 
-TEST_F(GateGpuTest, SinglePassWithATileUnder128ThreadsIsRefused) {
+TEST_F(GateGpuTest, SinglePassWithATileUnder256ThreadsIsRefused) {
   DeterministicModeGuard mode(true);
   const Inputs x = make_inputs(1, 1000, 16, at::kFloat, at::kFloat);
-  set_pre_gdr_gate_tile_override(GateTile{64, 16, 64});
+  set_pre_gdr_gate_tile_override(GateTile{64, 16, 128});
   set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
   try {
     run_fused(x);
-    ADD_FAILURE() << "single pass with a 64-thread tile must be refused";
+    ADD_FAILURE() << "single pass with a 128-thread tile must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "pre_gdr_gate: the single-pass ordered reduction was requested but needs a tile of "
-              "at least 128 threads (got 64x16x64) and a free ticket slot (4096 per process)");
+              "at least 256 threads (got 64x16x128) and a free ticket slot (4096 per process)");
   }
 }
 
