@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "gdr/distributed.h"
 #include "gdr/sha256.h"
@@ -618,8 +619,14 @@ absl::Status Trainer::run(std::ostream& log) {
     const bool periodic = tc.checkpoint_every > 0 && stats->step % tc.checkpoint_every == 0;
     if (rank0 && !tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
       const std::string dir = checkpoint_step_dir(tc.checkpoint_dir, stats->step);
+      const auto save_start = std::chrono::steady_clock::now();
       if (absl::Status s = save_checkpoint(dir); !s.ok()) return s;
-      log << "checkpoint " << dir << std::endl;
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
+      // A multi-GB write stalls training for seconds: say how long, so it is not mistaken
+      // for a hang or a slow step.
+      log << "checkpoint " << dir << " written in " << absl::StrFormat("%.1f", seconds) << " s"
+          << std::endl;
     }
   }
   return absl::OkStatus();
