@@ -117,17 +117,16 @@ enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 constexpr int kSinglePassMinThreads = 256;
 constexpr int kGateTicketSlots = 4096;
 
-// Partial rows the single-pass tail reads in one round of loads per 32-slot group
-// (32 virtual rows x kSinglePassTailUnroll programs each).
+// Partial rows the single-pass tail loads per virtual row in one round.
 constexpr int kSinglePassTailUnroll = 8;
-constexpr int64_t kSinglePassAutoMaxPartialFloats =
-    int64_t{2} * kReduceRows * kSinglePassTailUnroll * kReduceSlotsPerBlock;
 
 // The automatic choice between the ordered variants, a pure function of tile and shape
 // (both give the same bits, so this is about speed alone): single pass when the tile
-// allows it and the last program's tail reads at most kSinglePassAutoMaxPartialFloats
-// partial sums (two rounds of loads: the launch-bound shapes, where the second launch
-// costs more than the tail), two pass otherwise.
+// allows it, one row of programs covers every head, 2 * heads fits one 32-slot group and
+// the programs' partial rows fit one round of tail loads (32 x kSinglePassTailUnroll):
+// the small, launch-bound shapes such as the 0.8B one. Two pass otherwise: on the H200
+// the single pass measured slower as soon as its tail took two rounds or its grid
+// (90 registers per thread) took a second wave.
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.

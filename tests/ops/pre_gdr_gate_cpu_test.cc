@@ -181,6 +181,7 @@ TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
                                                kernels::derive_gate_backward_launch(tile, shape));
   };
   EXPECT_TRUE(preferred(8192, 16));
+  EXPECT_FALSE(preferred(16384, 32)) << "two 32-slot groups and two rows of programs";
   EXPECT_FALSE(preferred(65536, 64));
   EXPECT_FALSE(preferred(32768, 48));
   const kernels::GateShape small{1, 1024, 16};
