@@ -409,7 +409,6 @@ __device__ __forceinline__ void backward_tile(const CausalConvBackwardArgs& a, i
       }
     }
   }
-  float* tap_sums = st.tap_sums;
 
   // The block's tile rows, added in row order into the program's partial row (Note [Causal
   // conv determinism]). Slot q of the block's run of 32 * kSlots slots is lane q / kSlots,
@@ -419,7 +418,7 @@ __device__ __forceinline__ void backward_tile(const CausalConvBackwardArgs& a, i
   const int row = static_cast<int>(threadIdx.y);
   float* mine = combine + (row * kCausalConvChannelThreads + lane) * kStride;
 #pragma unroll
-  for (int i = 0; i < kSlots; ++i) mine[i] = tap_sums[i];
+  for (int i = 0; i < kSlots; ++i) mine[i] = st.tap_sums[i];
   __syncthreads();
   const int64_t row_floats = shape.channels * K;
   const int64_t first_slot = static_cast<int64_t>(blockIdx.y) * kCausalConvChannelThreads * kSlots;
