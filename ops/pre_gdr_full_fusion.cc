@@ -303,7 +303,8 @@ GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv_in, const at::Tens
   const int64_t dk = heads.head_k_dim, dv = heads.head_v_dim;
   const int64_t key_dim = Hk * dk, value_dim = Hv * dv;
   const int64_t taps = conv_weight.size(-1);
-  // From here on, op for op models/qwen/layers.cc GatedDeltaNetImpl::forward.
+  // From here on, op for op models/qwen/layers.cc GatedDeltaNetImpl::forward with
+  // GDR_CAUSAL_CONV=aten (ops/causal_conv1d.cc: causal_conv1d_silu_composite).
   at::Tensor qkv = qkv_in.transpose(1, 2);  // [B, conv_dim, T]
   qkv = at::conv1d(at::constant_pad_nd(qkv, {taps - 1, 0}, 0.0), conv_weight,
                    /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},

@@ -65,8 +65,10 @@ PreGdrFullFusionGrads pre_gdr_full_fusion_backward(
 
 // The unfused ATen composition of the same path (autograd through ATen ops), op for op
 // what models/qwen/layers.cc GatedDeltaNetImpl::forward runs for pre_gdr_fusion none
-// (fused_gate false) and gate (true). NOTE: keep the two in sync. Any device; FP64 inputs
-// stay FP64. The reference of the tests and the benchmark.
+// (fused_gate false) and gate (true) with GDR_CAUSAL_CONV=aten (by default the model runs
+// the conv + SiLU as ops/causal_conv1d.h's kernel: the same roundings, its own FP32 tap
+// order). NOTE: keep the two in sync. Any device; FP64 inputs stay FP64. The reference of
+// the tests and the benchmark.
 GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv, const at::Tensor& conv_weight,
                                         const at::Tensor& a, const at::Tensor& b,
                                         const at::Tensor& A_log, const at::Tensor& dt_bias,

@@ -3,8 +3,6 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/conv1d.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -15,6 +13,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops/causal_conv1d.h"
 #include "ops/gdr_core.h"
 #include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
@@ -57,6 +56,15 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
     return gated_rms_norm_fused(o, z, weight, eps, out_dtype);
   }
   return gated_rms_norm_composite(o, z, weight, eps, out_dtype);
+}
+
+// The fused op for CUDA FP32/FP16/BF16 inputs with K in [2, 4] unless GDR_CAUSAL_CONV=aten
+// (read at every call; a bad value is an error on every device); the CPU and FP64 keep the
+// composition, so their numerics do not change.
+at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight) {
+  const bool kernel = causal_conv_impl() == CausalConvImpl::kKernel;
+  if (kernel && causal_conv1d_kernel_supports(x, weight)) return causal_conv1d_silu(x, weight);
+  return causal_conv1d_silu_composite(x, weight);
 }
 
 at::Tensor l2_normalize(const at::Tensor& x, double eps) {
@@ -152,15 +160,12 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
         GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
     q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
   } else {
-    // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence (the tests'
-    // reference); keep the two in sync.
-    // Causal depthwise conv over time: left pad K-1 so token t sees t-K+1..t only.
-    at::Tensor qkv = in_proj_qkv(x).transpose(1, 2);  // [B, conv_dim, T]
-    qkv = at::conv1d(at::constant_pad_nd(qkv, {kernel_size_ - 1, 0}, 0.0), conv1d->weight,
-                     /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},
-                     /*padding=*/at::IntArrayRef{0}, /*dilation=*/at::IntArrayRef{1},
-                     /*groups=*/qkv.size(1));
-    qkv = at::silu(qkv).transpose(1, 2);  // [B, T, conv_dim]
+    // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence with
+    // GDR_CAUSAL_CONV=aten (the tests' reference); keep the two in sync.
+    // Causal depthwise conv over time + SiLU: [B, T, conv_dim], contiguous from the fused
+    // op (so the narrow + reshape of q and k below are views), a transposed view from the
+    // composition (they copy).
+    const at::Tensor qkv = gdn_causal_conv1d_silu(in_proj_qkv(x), conv1d->weight);
 
     q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
     k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});

@@ -34,6 +34,13 @@ at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
                           double eps, at::ScalarType out_dtype);
 
+// The GDN's causal depthwise conv1d + SiLU over its qkv projection: x [B, T, C], weight
+// [C, 1, K] -> [B, T, C] in x's dtype. On CUDA (FP32/FP16/BF16, K in [2, 4]) the fused op
+// (ops/causal_conv1d.h: causal_conv1d_silu, contiguous result) unless GDR_CAUSAL_CONV=aten;
+// otherwise the composition (causal_conv1d_silu_composite, the reference; a transposed
+// view).
+at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
+
 // q / ||q|| along the last dim in FP32: x * rsqrt(sum(x^2) + eps), eps 1e-6 in the model.
 at::Tensor l2_normalize(const at::Tensor& x, double eps);
 
@@ -72,9 +79,10 @@ enum class GdrCoreAlgorithm { kDispatch, kChunked, kRecurrent };
 // Gated DeltaNet mixer (`linear_attn`). Parameters: in_proj_qkv [2*Hk*dk + Hv*dv, D],
 // in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D], conv1d.weight [conv_dim, 1, K],
 // dt_bias [Hv], A_log [Hv], norm.weight [dv], out_proj [D, Hv*dv]. No biases.
-// pre_gdr_fusion: none = conv/SiLU/L2 norm/repeat and the gate as ATen ops; gate = the
-// same with the fused gate op; full = one fused CUDA op from the projections to the core
-// inputs (gdr::pre_gdr_full_fusion; forward on a CPU tensor fails saying it needs CUDA).
+// pre_gdr_fusion: none = causal conv + SiLU (gdn_causal_conv1d_silu), then L2 norm/repeat
+// and the gate as ATen ops; gate = the same with the fused gate op; full = one fused CUDA
+// op from the projections to the core inputs (gdr::pre_gdr_full_fusion; forward on a CPU
+// tensor fails saying it needs CUDA).
 class GatedDeltaNetImpl : public torch::nn::Module {
  public:
   explicit GatedDeltaNetImpl(const QwenConfig& config);
