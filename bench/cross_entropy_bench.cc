@@ -9,6 +9,7 @@
 // allocator's peak allocated bytes during one call above what was allocated before it.
 // Prints a Markdown table.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -41,7 +42,7 @@ double median_ms(const std::function<void()>& fn) {
 // when the work cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
   c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
-  capture_stream.wait(c10::cuda::getCurrentCUDAStream());
+  c10::cuda::getCurrentCUDAStream().synchronize();  // the inputs come from the default stream
   c10::cuda::CUDAStreamGuard guard(capture_stream);
   fn();
   capture_stream.synchronize();

@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -153,7 +154,7 @@ TEST(CrossEntropyGpuStreams, ASideStreamGivesTheSameBitsAsTheDefaultStream) {
   const Problem p = make_problem(2, 129, 50000, at::kBFloat16, false, 5);
   const Result on_default = run(true, p);
   c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-  side.wait(c10::cuda::getCurrentCUDAStream());  // the inputs were made on the default stream
+  c10::cuda::getCurrentCUDAStream().synchronize();  // the inputs were made on the default stream
   Result on_side;
   {
     c10::cuda::CUDAStreamGuard guard(side);
@@ -176,7 +177,7 @@ TEST(CrossEntropyGpuStreams, ForwardAndBackwardReplayFromACudaGraph) {
   };
   const auto eager = step();
   c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
-  capture_stream.wait(c10::cuda::getCurrentCUDAStream());
+  c10::cuda::getCurrentCUDAStream().synchronize();
   std::pair<at::Tensor, at::Tensor> captured;
   at::cuda::CUDAGraph graph;
   {
