@@ -116,8 +116,9 @@ __device__ __forceinline__ OnlineLse fold_row(const T* x, int64_t vocab) {
   for (; q + (kCrossEntropyUnroll - 1) * threads < packs; q += kCrossEntropyUnroll * threads) {
     float v[kCrossEntropyUnroll][VEC];
 #pragma unroll
-    for (int u = 0; u < kCrossEntropyUnroll; ++u)
+    for (int u = 0; u < kCrossEntropyUnroll; ++u) {
       load_floats<T, VEC>(x + (q + u * threads) * VEC, v[u]);
+    }
 #pragma unroll
     for (int u = 0; u < kCrossEntropyUnroll; ++u) fold_pack<VEC>(v[u], acc);
   }
@@ -272,8 +273,9 @@ __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) 
   for (; q + (kCrossEntropyUnroll - 1) * threads < packs; q += kCrossEntropyUnroll * threads) {
     float v[kCrossEntropyUnroll][VEC];
 #pragma unroll
-    for (int u = 0; u < kCrossEntropyUnroll; ++u)
+    for (int u = 0; u < kCrossEntropyUnroll; ++u) {
       load_floats<T, VEC>(x + (q + u * threads) * VEC, v[u]);
+    }
 #pragma unroll
     for (int u = 0; u < kCrossEntropyUnroll; ++u) {
       store_grad<T, VEC>(out, q + u * threads, v[u], y, lse, scale, in_range);
