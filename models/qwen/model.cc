@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -11,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "ops/cross_entropy.h"
 #include "ops/gdr_core.h"
 
 namespace gdr {
@@ -100,10 +100,14 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(
       logits.size(1) >= 2,
       "causal_lm_loss: expected T >= 2 tokens to predict a next one but got T = ", logits.size(1));
-  const int64_t T = logits.size(1), V = logits.size(2);
-  const at::Tensor scored = logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
-  const at::Tensor targets = labels.narrow(1, 1, T - 1).to(at::kLong).reshape({-1});
-  return at::cross_entropy_loss(scored, targets, /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
+  // CUDA logits take the fused op (no FP32 copy of the logits; ops/cross_entropy.h) unless
+  // GDR_CROSS_ENTROPY=composite (read at every call; a bad value is an error on every
+  // device); the CPU and FP64 keep the composite, so their numerics do not change.
+  const bool fused = cross_entropy_impl() == CrossEntropyImpl::kFused;
+  if (fused && cross_entropy_fused_supports(logits)) {
+    return causal_lm_cross_entropy(logits, labels, kIgnoreIndex);
+  }
+  return causal_lm_cross_entropy_composite(logits, labels, kIgnoreIndex);
 }
 
 void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed) {

@@ -78,7 +78,9 @@ TORCH_MODULE(QwenForCausalLM);
 // Mean next-token cross-entropy, computed in FP32. `labels` [B, T] are aligned with the
 // input ids (HF convention, labels = input_ids for plain LM): the shift happens here,
 // logits[:, t] is scored against labels[:, t + 1]. Labels equal to -100 are ignored and
-// the mean is over the remaining tokens (NaN when none remain, as in PyTorch).
+// the mean is over the remaining tokens (NaN when none remain, as in PyTorch). CUDA
+// logits take the fused op of ops/cross_entropy.h (GDR_CROSS_ENTROPY=composite for the
+// composite); on CUDA an out-of-range target is an error (one host read of the labels).
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 constexpr int64_t kIgnoreIndex = -100;
