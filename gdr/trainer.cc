@@ -269,6 +269,26 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     std::vector<int64_t> b = m.data.next_batch(batch);
     if (k / accum == m.rank()) mine.push_back(std::move(b));
   }
+  // Note [Token id check]: every id must index the embedding and the loss's vocabulary.
+  // Checked here on the host, where it costs nothing, because on the GPU an
+  // out-of-range id is a device-side assert in the embedding (the process dies with no
+  // useful message) and the fused loss does not check its targets (Note [Cross-entropy
+  // target check]).
+  const int64_t vocab = m.config.model.vocab_size;
+  for (size_t k = 0; k < mine.size(); ++k) {
+    for (size_t i = 0; i < mine[k].size(); ++i) {
+      const int64_t id = mine[k][i];
+      if (id < 0 || id >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step ", stats.step, ": token id ", id, " at position ", i, " of microbatch ",
+            m.rank() * accum + static_cast<int64_t>(k) + 1, " is outside the vocabulary [0, ",
+            vocab, ") of model.vocab_size; check that the data (",
+            m.config.data.source == DataSource::kEmbedded ? m.config.data.path
+                                                          : m.config.data.prefix,
+            ") was tokenized for this model"));
+      }
+    }
+  }
   // Each microbatch's FP32 gradient is a leaf of the reduction tree (Note [Gradient
   // reduction tree] in gdr/distributed.h); with accum <= 2 and one rank this is exactly
   // autograd's accumulation.

@@ -5,7 +5,6 @@
 // and the ordered mean, Note [Cross-entropy determinism]; backward: one row kernel).
 // Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -20,7 +19,6 @@ namespace {
 
 using cross_entropy_internal::check_backward_inputs;
 using cross_entropy_internal::check_inputs;
-using cross_entropy_internal::check_targets;
 
 void check_launch(int error, const char* op, const char* what) {
   TORCH_CHECK(error == cudaSuccess, op, ": ", what,
@@ -74,10 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& lo
   check_inputs(kOp, logits, labels);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
-  // Note [Cross-entropy target check]: a sync, skipped while capturing a graph.
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    check_targets(kOp, labels.narrow(1, 1, T - 1).to(at::kCPU, at::kLong), V, ignore_index);
-  }
+  // Note [Cross-entropy target check]: no host check here (it would sync every call).
   const at::Tensor x = logits_rows(logits);
   const at::Tensor y = labels_long(labels);
   const auto f32 = logits.options().dtype(at::kFloat);
