@@ -333,8 +333,17 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     tree.add(std::move(leaf));
   }
   {
+    // Note [Host-bound steps]: the loss copy below is the step's first wait on the device.
+    // The host time up to it is spent queueing work (autograd, dispatch, launches); the
+    // wait is what the GPU still had to do. A wait near zero means the GPU finished before
+    // the host had queued everything: the step is host-bound, and faster kernels will not
+    // shorten it (metrics.jsonl: host_queue_s, gpu_wait_s).
+    const auto sync_start = std::chrono::steady_clock::now();
+    stats.host_queue_s = std::chrono::duration<double>(sync_start - start).count();
     // float -> double is exact, so these are the values loss.item<double>() would give.
     const at::Tensor host = at::cat(losses_on_device).to(at::kCPU, at::kDouble);
+    stats.gpu_wait_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
     const double* p = host.data_ptr<double>();
     stats.microbatch_losses.assign(p, p + host.numel());
   }
@@ -629,6 +638,8 @@ absl::Status Trainer::run(std::ostream& log) {
           {"tokens_per_s", stats->tokens_per_s},
           {"step_time_s", stats->step_time_s},
           {"reduce_time_s", stats->reduce_time_s},
+          {"host_queue_s", stats->host_queue_s},
+          {"gpu_wait_s", stats->gpu_wait_s},
           {"skipped", stats->skipped},
       };
       metrics << line.dump() << "\n" << std::flush;

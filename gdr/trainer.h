@@ -60,6 +60,10 @@ struct StepStats {
   double step_time_s = 0;
   double tokens_per_s = 0;
   double reduce_time_s = 0;  // host wall time of the cross-rank gradient reduction (DP only)
+  // Where the host's time went (Note [Host-bound steps] in trainer.cc): queueing the
+  // microbatches' work, then waiting for the GPU to finish it at the step's one loss sync.
+  double host_queue_s = 0;
+  double gpu_wait_s = 0;
   bool skipped = false;
 };
 

@@ -252,6 +252,20 @@ TEST(TrainerTest, RunLogsProgressAndLearns) {
     losses.push_back(std::stod(line.substr(at + 7)));
   }
   ASSERT_EQ(losses.size(), 20u);
+  // Every line also says where the host's time went (Note [Host-bound steps]): both parts
+  // present, non-negative, and together within the step time.
+  std::ifstream timing(config.train.metrics_path);
+  for (std::string line; std::getline(timing, line);) {
+    auto field = [&](const std::string& key) {
+      const size_t at = line.find("\"" + key + "\":");
+      EXPECT_NE(at, std::string::npos) << key << " missing: " << line;
+      return at == std::string::npos ? -1.0 : std::stod(line.substr(at + key.size() + 3));
+    };
+    const double queue = field("host_queue_s"), wait = field("gpu_wait_s");
+    EXPECT_GE(queue, 0.0) << line;
+    EXPECT_GE(wait, 0.0) << line;
+    EXPECT_LE(queue + wait, field("step_time_s")) << line;
+  }
   const double first = (losses[0] + losses[1] + losses[2]) / 3;
   double last = 0;
   for (int i = 15; i < 20; ++i) last += losses[i] / 5;
