@@ -15,27 +15,6 @@
 
 #include "kernels/causal_conv1d.h"
 
-namespace gdr::kernels::causal_conv_detail {
-
-template <typename T>
-struct ConvElement;
-
-template <>
-struct ConvElement<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <>
-struct ConvElement<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-    return __float2bfloat16_rn(v);
-  }
-};
-
-}  // namespace gdr::kernels::causal_conv_detail
-
 #include "kernels/causal_conv1d_kernel.cuh"
 
 namespace gdr::kernels {

@@ -4,10 +4,10 @@
 // which supplies host stand-ins for the CUDA built-ins (__device__, __forceinline__,
 // threadIdx, blockIdx, __syncthreads; expf and fmaf come from <math.h>) and runs this very
 // code with one host thread per CUDA thread, so the indexing, the sequence tails and the
-// summation order are checked on machines without a GPU. The includer specialises
-// ConvElement<T> for its 16-bit types.
-// NOTE: keep this file free of other includes and of CUDA APIs beyond those listed: the
-// emulation test defines exactly those.
+// summation order are checked on machines without a GPU. Storage conversions come from
+// kernels/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
+// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
+// those listed: the emulation test defines exactly those.
 //
 // Note [Causal conv determinism] (see also kernels/causal_conv1d.h)
 // y and dx are per-element functions of x, dy and w (taps summed in a fixed order), so
@@ -22,62 +22,9 @@
 #pragma once
 
 #include "kernels/causal_conv1d.h"
+#include "kernels/storage_element.cuh"
 
 namespace gdr::kernels::causal_conv_detail {
-
-// Storage type <-> FP32. The includer specialises it for its half / bfloat16 types.
-template <typename T>
-struct ConvElement;
-
-template <>
-struct ConvElement<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
-};
-
-// The value an FP32 result has once stored in T and read back (the ATen composition's
-// intermediate stores).
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return ConvElement<T>::to_float(ConvElement<T>::from_float(v));
-}
-
-// VEC consecutive elements moved as one aligned load / store.
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-// One aligned VEC-wide load, kept packed until it is used (fewer registers than floats, so
-// several tokens' loads can be in flight at once).
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const Pack<T, VEC>*>(p);
-#else
-  Pack<T, VEC> pack;
-  for (int k = 0; k < VEC; ++k) pack.v[k] = p[k];
-  return pack;
-#endif
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack(const Pack<T, VEC>& pack, float (&out)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = ConvElement<T>::to_float(pack.v[k]);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_floats(T* p, const float (&in)[VEC]) {
-#if defined(__CUDA_ARCH__)
-  Pack<T, VEC> pack;
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) pack.v[k] = ConvElement<T>::from_float(in[k]);
-  *reinterpret_cast<Pack<T, VEC>*>(p) = pack;
-#else
-  for (int k = 0; k < VEC; ++k) p[k] = ConvElement<T>::from_float(in[k]);
-#endif
-}
 
 // Tokens whose loads a thread issues before using the first of them: one load per thread
 // in flight would leave HBM idle at the occupancy these register-heavy kernels get (2
@@ -85,6 +32,13 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[VEC]) {
 // in 16-bit dtypes. Larger groups cost registers (ptxas -v: ~125 at these values for K = 4).
 constexpr int kForwardTokensInFlight = 4;
 constexpr int kBackwardTokensInFlight = 8;
+
+// The value an FP32 result has once stored in T and read back (the ATen composition's
+// intermediate stores).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return StorageElement<T>::to_float(StorageElement<T>::from_float(v));
+}
 
 // at::silu's opmath formula, p / (1 + exp(-p)).
 __device__ __forceinline__ float silu(float p) { return p / (1.0f + expf(-p)); }
@@ -149,7 +103,7 @@ __device__ __forceinline__ void load_weights(const void* weight, int64_t channel
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
 #pragma unroll
-    for (int j = 0; j < K; ++j) w[v][j] = ConvElement<T>::to_float(p[v * K + j]);
+    for (int j = 0; j < K; ++j) w[v][j] = StorageElement<T>::to_float(p[v * K + j]);
   }
 }
 
@@ -457,7 +411,7 @@ __device__ __forceinline__ void reduce_partials_block(const float* partials, int
     float total = shared[lane];
     for (int s = 1; s < kCausalConvReduceSlices; ++s)
       total += shared[s * kCausalConvReduceCols + lane];
-    dw[col] = ConvElement<TW>::from_float(total);
+    dw[col] = StorageElement<TW>::from_float(total);
   }
 }
 

@@ -17,27 +17,6 @@
 
 #include "kernels/cross_entropy.h"
 
-namespace gdr::kernels::cross_entropy_detail {
-
-template <typename T>
-struct LogitElement;
-
-template <>
-struct LogitElement<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <>
-struct LogitElement<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-    return __float2bfloat16_rn(v);
-  }
-};
-
-}  // namespace gdr::kernels::cross_entropy_detail
-
 #include "kernels/cross_entropy_kernel.cuh"
 
 namespace gdr::kernels {

@@ -5,9 +5,10 @@
 // threadIdx, blockIdx, blockDim, __syncthreads, __shfl_xor_sync, exp2f, logf, fmaf, fmaxf,
 // INFINITY, NAN) and runs this very code with one host thread per CUDA thread, so
 // indexing, tails, ignored rows and the reduction order are checked on machines without
-// a GPU. The includer specialises LogitElement<T> for its 16-bit types.
-// NOTE: keep this file free of other includes and of CUDA APIs beyond those listed: the
-// emulation test defines exactly those.
+// a GPU. Storage conversions come from
+// kernels/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
+// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
+// those listed: the emulation test defines exactly those.
 //
 // Note [Online logsumexp] (see also Note [Cross-entropy determinism] in
 // kernels/cross_entropy.h)
@@ -21,47 +22,9 @@
 #pragma once
 
 #include "kernels/cross_entropy.h"
+#include "kernels/storage_element.cuh"
 
 namespace gdr::kernels::cross_entropy_detail {
-
-// Storage type -> FP32 and back. The includer specialises it for its half / bfloat16.
-template <typename T>
-struct LogitElement;
-
-template <>
-struct LogitElement<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
-};
-
-// VEC consecutive elements moved as one aligned load / store (16 bytes when vectorised).
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_floats(const T* p, float (&out)[VEC]) {
-#if defined(__CUDA_ARCH__)
-  const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(p);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = LogitElement<T>::to_float(pack.v[k]);
-#else
-  for (int k = 0; k < VEC; ++k) out[k] = LogitElement<T>::to_float(p[k]);
-#endif
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_floats(T* p, const float (&in)[VEC]) {
-#if defined(__CUDA_ARCH__)
-  Pack<T, VEC> pack;
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) pack.v[k] = LogitElement<T>::from_float(in[k]);
-  *reinterpret_cast<Pack<T, VEC>*>(p) = pack;
-#else
-  for (int k = 0; k < VEC; ++k) p[k] = LogitElement<T>::from_float(in[k]);
-#endif
-}
 
 // A running logsumexp: s = sum exp(x - m) over the elements folded in so far.
 struct OnlineLse {
@@ -128,7 +91,7 @@ __device__ __forceinline__ OnlineLse fold_row(const T* x, int64_t vocab) {
     fold_pack<VEC>(v, acc);
   }
   for (int64_t c = packs * VEC + threadIdx.x; c < vocab; c += threads) {
-    const float v[1] = {LogitElement<T>::to_float(x[c])};
+    const float v[1] = {StorageElement<T>::to_float(x[c])};
     fold_pack<1>(v, acc);
   }
   return acc;
@@ -190,7 +153,7 @@ __device__ __forceinline__ void forward_row(const CrossEntropyForwardArgs& a, fl
     const float lse = acc.m + logf(acc.s);
     a.row_lse[n] = lse;
     // An out-of-range target is never read (the NaN poisons the mean).
-    a.row_loss[n] = y >= 0 && y < p.vocab ? lse - LogitElement<T>::to_float(x[y]) : NAN;
+    a.row_loss[n] = y >= 0 && y < p.vocab ? lse - StorageElement<T>::to_float(x[y]) : NAN;
   }
 }
 
@@ -259,7 +222,7 @@ __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) 
     for (int k = 0; k < VEC; ++k) zeros[k] = 0.0f;
     for (int64_t q = tid; q < packs; q += threads) store_floats<T, VEC>(out + q * VEC, zeros);
     for (int64_t c = packs * VEC + tid; c < vocab; c += threads) {
-      out[c] = LogitElement<T>::from_float(0.0f);
+      out[c] = StorageElement<T>::from_float(0.0f);
     }
     return;
   }
@@ -287,7 +250,7 @@ __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) 
     store_grad<T, VEC>(out, q, v, y, lse, scale, in_range);
   }
   for (int64_t c = packs * VEC + tid; c < vocab; c += threads) {
-    const float v[1] = {LogitElement<T>::to_float(x[c])};
+    const float v[1] = {StorageElement<T>::to_float(x[c])};
     store_grad<T, 1>(out, c, v, y, lse, scale, in_range);
   }
 }

@@ -16,27 +16,6 @@
 
 #include "kernels/rms_norm.h"
 
-namespace gdr::kernels::rms_norm_detail {
-
-template <typename T>
-struct NormElement;
-
-template <>
-struct NormElement<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <>
-struct NormElement<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-    return __float2bfloat16_rn(v);
-  }
-};
-
-}  // namespace gdr::kernels::rms_norm_detail
-
 #include "kernels/rms_norm_kernel.cuh"
 
 namespace gdr::kernels {

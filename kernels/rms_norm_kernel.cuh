@@ -4,9 +4,10 @@
 // host stand-ins for the CUDA built-ins (__device__, __forceinline__, threadIdx, blockIdx,
 // blockDim, __syncthreads, __shfl_xor_sync, rsqrtf, expf) and runs this very code with one
 // host thread per CUDA thread, so indexing, barriers and the reduction order are checked
-// on machines without a GPU. The includer specialises NormElement<T> for its 16-bit types.
-// NOTE: keep this file free of other includes and of CUDA APIs beyond those listed: the
-// emulation test defines exactly those.
+// on machines without a GPU. Storage conversions come from
+// kernels/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
+// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
+// those listed: the emulation test defines exactly those.
 //
 // Note [RMSNorm determinism] (see also kernels/rms_norm.h)
 // A row is owned by one warp: its sum of squares (forward) and its sum of dn * n
@@ -22,47 +23,9 @@
 #pragma once
 
 #include "kernels/rms_norm.h"
+#include "kernels/storage_element.cuh"
 
 namespace gdr::kernels::rms_norm_detail {
-
-// Storage type <-> FP32. The includer specialises it for its half / bfloat16 types.
-template <typename T>
-struct NormElement;
-
-template <>
-struct NormElement<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
-};
-
-// VEC consecutive elements moved as one aligned load / store (16 bytes when vectorised).
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_floats(const T* p, float (&out)[VEC]) {
-#if defined(__CUDA_ARCH__)
-  const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(p);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = NormElement<T>::to_float(pack.v[k]);
-#else
-  for (int k = 0; k < VEC; ++k) out[k] = NormElement<T>::to_float(p[k]);
-#endif
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_floats(T* p, const float (&in)[VEC]) {
-#if defined(__CUDA_ARCH__)
-  Pack<T, VEC> pack;
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) pack.v[k] = NormElement<T>::from_float(in[k]);
-  *reinterpret_cast<Pack<T, VEC>*>(p) = pack;
-#else
-  for (int k = 0; k < VEC; ++k) p[k] = NormElement<T>::from_float(in[k]);
-#endif
-}
 
 // Element offset of row `row` of `op` (row dims decoded last-fastest). Once per row per
 // operand, so the integer divisions do not matter next to a row's cols elements.
@@ -135,7 +98,7 @@ __device__ __forceinline__ void forward_row(const RmsNormForwardArgs& a) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const float n = xv[k] * rstd;
-      const float wv = NormElement<TW>::to_float(w[c + k]);
+      const float wv = StorageElement<TW>::to_float(w[c + k]);
       if constexpr (kGated) {
         float silu, silu_grad;
         silu_and_grad(zv[k], silu, silu_grad);
@@ -188,7 +151,7 @@ __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float n = xv[k] * rstd;
-        const float wv = NormElement<TW>::to_float(w[c + k]);
+        const float wv = StorageElement<TW>::to_float(w[c + k]);
         float dn;
         if constexpr (kGated) {
           float silu, silu_grad;
@@ -210,7 +173,7 @@ __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float n = xv[k] * rstd;
-        const float wv = NormElement<TW>::to_float(w[c + k]);
+        const float wv = StorageElement<TW>::to_float(w[c + k]);
         float dn, dw_term;
         if constexpr (kGated) {
           float silu, silu_grad;
@@ -257,7 +220,7 @@ __device__ __forceinline__ void reduce_partials_block(const float* partials, int
   if (slice == 0 && c < cols) {
     float total = shared[lane];
     for (int s = 1; s < kRmsNormReduceSlices; ++s) total += shared[s * kRmsNormReduceCols + lane];
-    dw[c] = NormElement<TW>::from_float(total);
+    dw[c] = StorageElement<TW>::from_float(total);
   }
 }
 

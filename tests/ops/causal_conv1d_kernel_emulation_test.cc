@@ -37,19 +37,9 @@ void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
 #undef __device__
 #undef __forceinline__
 
+#include "tests/ops/emulated_storage_element.h"
+
 namespace gdr::kernels {
-namespace causal_conv_detail {
-template <>
-struct ConvElement<c10::BFloat16> {
-  static float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-  static c10::BFloat16 from_float(float v) { return c10::BFloat16(v); }
-};
-template <>
-struct ConvElement<c10::Half> {
-  static float to_float(c10::Half v) { return static_cast<float>(v); }
-  static c10::Half from_float(float v) { return c10::Half(v); }
-};
-}  // namespace causal_conv_detail
 
 namespace {
 

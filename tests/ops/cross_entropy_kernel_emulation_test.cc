@@ -52,14 +52,9 @@ float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
 #undef __device__
 #undef __forceinline__
 
+#include "tests/ops/emulated_storage_element.h"
+
 namespace gdr::kernels {
-namespace cross_entropy_detail {
-template <>
-struct LogitElement<c10::BFloat16> {
-  static float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-  static c10::BFloat16 from_float(float v) { return c10::BFloat16(v); }
-};
-}  // namespace cross_entropy_detail
 
 namespace {
 
@@ -114,12 +109,12 @@ float documented_lse(const T* x, int64_t vocab, int threads) {
     for (int64_t q = i; q < packs; q += threads) {
       float v[VEC];
       for (int k = 0; k < VEC; ++k) {
-        v[k] = cross_entropy_detail::LogitElement<T>::to_float(x[q * VEC + k]);
+        v[k] = StorageElement<T>::to_float(x[q * VEC + k]);
       }
       fold_pack<VEC>(v, acc[i]);
     }
     for (int64_t c = packs * VEC + i; c < vocab; c += threads) {
-      const float v[1] = {cross_entropy_detail::LogitElement<T>::to_float(x[c])};
+      const float v[1] = {StorageElement<T>::to_float(x[c])};
       fold_pack<1>(v, acc[i]);
     }
   }

@@ -50,14 +50,9 @@ inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 #undef __device__
 #undef __forceinline__
 
+#include "tests/ops/emulated_storage_element.h"
+
 namespace gdr::kernels {
-namespace rms_norm_detail {
-template <>
-struct NormElement<c10::BFloat16> {
-  static float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-  static c10::BFloat16 from_float(float v) { return c10::BFloat16(v); }
-};
-}  // namespace rms_norm_detail
 
 namespace {
 
