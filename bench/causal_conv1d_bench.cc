@@ -37,23 +37,10 @@ double median_ms(const std::function<void()>& fn) {
   return bench::median_event_ms(fn, kWarmup, kRepeats);
 }
 
-// GPU time per call: kPerGraph calls captured in a CUDA graph, median over replays.
-// Returns -1 when the work cannot be captured.
+// GPU time per call: kPerGraph calls captured in a CUDA graph (after 3 eager calls, in
+// which cuDNN picks its algorithms), median over replays; -1 when it cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
-  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
-  c10::cuda::CUDAStreamGuard guard(capture_stream);
-  for (int i = 0; i < 3; ++i) fn();  // cuDNN picks its algorithms before capture
-  capture_stream.synchronize();
-  try {
-    at::cuda::CUDAGraph graph;
-    graph.capture_begin();
-    for (int i = 0; i < kPerGraph; ++i) fn();
-    graph.capture_end();
-    return median_ms([&] { graph.replay(); }) / kPerGraph;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
-    return -1.0;
-  }
+  return bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
 struct Timing {

@@ -38,24 +38,10 @@ double median_ms(const std::function<void()>& fn) {
   return bench::median_event_ms(fn, kWarmup, kRepeats);
 }
 
-// GPU time of one call: the call captured in a CUDA graph, median over replays. Returns -1
-// when the work cannot be captured.
+// GPU time of one call: the call captured alone in a CUDA graph (after one eager call),
+// median over replays; -1 when the work cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
-  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
-  c10::cuda::getCurrentCUDAStream().synchronize();  // the inputs come from the default stream
-  c10::cuda::CUDAStreamGuard guard(capture_stream);
-  fn();
-  capture_stream.synchronize();
-  try {
-    at::cuda::CUDAGraph graph;
-    graph.capture_begin();
-    fn();
-    graph.capture_end();
-    return median_ms([&] { graph.replay(); });
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
-    return -1.0;
-  }
+  return bench::median_graph_ms(fn, 1, 1, kWarmup, kRepeats);
 }
 
 // Peak allocated bytes during one call of `fn`, above the bytes allocated before it.

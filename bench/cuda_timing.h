@@ -3,10 +3,14 @@
 // per call, median of the samples).
 #pragma once
 
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <vector>
 
@@ -32,6 +36,30 @@ inline double median_event_ms(const std::function<void()>& fn, int warmup, int r
   cudaEventDestroy(stop);
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
+}
+
+// GPU time of one call of `fn` without host overhead: `warmup_calls` eager calls on a side
+// stream (autotuning, cuDNN algorithm choice and allocations happen before capture), then
+// `calls_per_graph` calls captured in one CUDA graph, median replay time (median_event_ms)
+// divided by calls_per_graph. Returns -1 (and says why on stderr) when the work cannot be
+// captured.
+inline double median_graph_ms(const std::function<void()>& fn, int calls_per_graph,
+                              int warmup_calls, int warmup, int repeats) {
+  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+  c10::cuda::getCurrentCUDAStream().synchronize();  // inputs made on the current stream
+  c10::cuda::CUDAStreamGuard guard(capture_stream);
+  for (int i = 0; i < warmup_calls; ++i) fn();
+  capture_stream.synchronize();
+  try {
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin();
+    for (int i = 0; i < calls_per_graph; ++i) fn();
+    graph.capture_end();
+    return median_event_ms([&] { graph.replay(); }, warmup, repeats) / calls_per_graph;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
+    return -1.0;
+  }
 }
 
 }  // namespace gdr::bench

@@ -41,24 +41,10 @@ double median_ms(const std::function<void()>& fn) {
   return bench::median_event_ms(fn, kWarmup, kRepeats);
 }
 
-// GPU time per call: kPerGraph calls captured in a CUDA graph, median over replays.
-// Returns -1 when the work cannot be captured.
+// GPU time per call: kPerGraph calls captured in a CUDA graph (after 3 eager calls, which
+// autotune), median over replays; -1 when the work cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
-  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
-  c10::cuda::CUDAStreamGuard guard(capture_stream);
-  for (int i = 0; i < 3; ++i) fn();  // autotunes before capture
-  capture_stream.synchronize();
-  try {
-    at::cuda::CUDAGraph graph;
-    graph.capture_begin();
-    for (int i = 0; i < kPerGraph; ++i) fn();
-    graph.capture_end();
-    const double per_replay = median_ms([&] { graph.replay(); });
-    return per_replay / kPerGraph;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
-    return -1.0;
-  }
+  return bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
 struct Timing {
