@@ -78,7 +78,8 @@ int main(int argc, char** argv) {
   if (!trainer.ok()) return fail(2, trainer.status().message());
 
   const bool cuda = c10::cuda::device_count() > 0;
-  std::vector<double> times, rates;
+  std::vector<double> times, rates, host_queue, gpu_wait;
+  int64_t replays = 0;
   for (int64_t i = 0; i < warmup + steps; ++i) {
     if (i == warmup && cuda)
       c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
@@ -87,6 +88,9 @@ int main(int argc, char** argv) {
     if (i >= warmup) {
       times.push_back(stats->step_time_s);
       rates.push_back(stats->tokens_per_s);
+      host_queue.push_back(stats->host_queue_s);
+      gpu_wait.push_back(stats->gpu_wait_s);
+      replays += stats->graph_replays;
     }
   }
   double peak_gib = 0;
@@ -104,10 +108,12 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT warmup=%lld steps=%lld median_step_s=%.4f p10_s=%.4f p90_s=%.4f min_s=%.4f "
       "max_s=%.4f "
-      "tokens_per_s=%.0f peak_allocated_gib=%.2f\n",
+      "tokens_per_s=%.0f peak_allocated_gib=%.2f median_host_queue_s=%.4f "
+      "median_gpu_wait_s=%.4f graph_replays=%lld\n",
       static_cast<long long>(warmup), static_cast<long long>(steps), median, p10, p90,
       *std::min_element(times.begin(), times.end()), *std::max_element(times.begin(), times.end()),
-      tokens_per_s, peak_gib);
+      tokens_per_s, peak_gib, percentile(host_queue, 0.5), percentile(gpu_wait, 0.5),
+      static_cast<long long>(replays));
   if (!json_path.empty()) {
     std::ofstream out(json_path);
     out << "{\"median_step_s\": " << median << ", \"p10_s\": " << p10 << ", \"p90_s\": " << p90

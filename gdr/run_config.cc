@@ -201,6 +201,10 @@ const std::vector<Field>& run_fields() {
           "train", "overlap_grad_reduction", {"false", "true"},
           [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
           [](const RunConfig& c) -> size_t { return c.train.overlap_grad_reduction ? 1 : 0; }),
+      choice_field(
+          "train", "cuda_graphs", {"false", "true"},
+          [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
+          [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
   };
   return *fields;
 }
@@ -313,6 +317,7 @@ bool may_change_on_resume(absl::string_view dotted) {
       "train.snapshot_dir",
       "train.on_nonfinite",
       "train.overlap_grad_reduction",
+      "train.cuda_graphs",
       "schedule.total_steps"};  // compared by its effective value
   for (absl::string_view k : kFree) {
     if (k == dotted) return true;

@@ -17,6 +17,7 @@
 //               on_nonfinite: stop | skip,
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
 //               overlap_grad_reduction: true | false (DP: reduce during the last backward)
+//               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
 // Every section is optional except `model:`; a missing key keeps its default below.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message is
@@ -91,6 +92,9 @@ struct TrainConfig {
   // Data parallelism: start the gradient reduction during the last microbatch's backward
   // (Note [Overlapped gradient reduction] in gdr/distributed.h); same bits either way.
   bool overlap_grad_reduction = true;
+  // CUDA only (ignored on CPU): capture one microbatch's forward and backward into a CUDA
+  // graph and replay it (Note [Microbatch graphs] in gdr/trainer.cc); same bits either way.
+  bool cuda_graphs = true;
 };
 
 struct RunConfig {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "gdr/cuda_graph.h"
 #include "gdr/distributed.h"
 #include "gdr/sha256.h"
 #include "io/file_util.h"
@@ -112,6 +113,24 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
   return line;
 }
 
+// Note [Microbatch graphs]: with train.cuda_graphs on CUDA, a microbatch's forward,
+// loss and backward are captured once into a CUDA graph (after one eager microbatch has
+// warmed up autotune caches, cuBLAS handles and the autograd threads) and replayed for
+// every later microbatch with its token ids copied into the graph's input. The step is
+// otherwise host-bound: autograd, dispatch and ~2,000 kernel launches per microbatch take
+// the host longer than the GPU takes to run them. A replay launches the very kernels the
+// eager microbatch would, with the same arguments, in the same order, so the bits are the
+// same (trainer_gpu_test compares a graphed run with an eager one). The microbatch that
+// hands gradients to the overlapped cross-rank reduction (whose hooks call NCCL) stays
+// eager. Capture fails (with an error naming train.cuda_graphs) when an op synchronises
+// with the host; keep forward and backward free of .item() and pageable copies.
+struct MicrobatchGraph {
+  at::Tensor ids;                 // the graph's input: [batch, window] token ids
+  at::Tensor loss;                // its outputs, overwritten by every replay
+  std::vector<at::Tensor> grads;  // one per parameter, in params order
+  std::unique_ptr<CapturedWork> work;
+};
+
 struct Trainer::Impl {
   RunConfig config;
   TokenWindows data;
@@ -130,6 +149,10 @@ struct Trainer::Impl {
   std::vector<at::Tensor> last_grads;
   std::vector<double> last_losses;
   std::shared_ptr<ProcessGroup> group;  // null: one process
+  // Note [Microbatch graphs]: null when graphs are off or not on CUDA.
+  CudaGraphCapture graph_capture = nullptr;
+  std::unique_ptr<MicrobatchGraph> graph;
+  int64_t eager_microbatches = 0;  // in this process
 
   int rank() const { return group ? group->rank() : 0; }
   int world() const { return group ? group->world_size() : 1; }
@@ -140,6 +163,37 @@ struct Trainer::Impl {
     auto it = optimizer->state().find(master.unsafeGetTensorImpl());
     if (it == optimizer->state().end()) return nullptr;
     return static_cast<torch::optim::AdamWParamState*>(it->second.get());
+  }
+
+  // Captures one microbatch (forward, loss, backward of loss / divisor) on `ids`'s shape
+  // into `graph`; the parameters' .grad are left empty.
+  absl::Status capture_microbatch(const at::Tensor& ids, int64_t divisor) {
+    auto captured = std::make_unique<MicrobatchGraph>();
+    captured->ids = at::empty_like(ids);
+    captured->ids.copy_(ids, /*non_blocking=*/true);
+    try {
+      captured->work = graph_capture([&] {
+        const at::Tensor loss = model->loss(captured->ids, captured->ids);
+        (loss / static_cast<double>(divisor)).backward();
+        captured->loss = loss.detach();
+      });
+    } catch (const c10::Error& e) {
+      for (at::Tensor& p : params) p.mutable_grad().reset();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "train.cuda_graphs: capturing a microbatch's forward and backward into a CUDA graph "
+          "failed (set train.cuda_graphs: false to run without graphs): ",
+          e.what_without_backtrace()));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].grad().defined()) {
+        return absl::InternalError(absl::StrCat("train.cuda_graphs: parameter ", names[i],
+                                                " got no gradient in the captured microbatch"));
+      }
+      captured->grads.push_back(params[i].grad());
+      params[i].mutable_grad().reset();
+    }
+    graph = std::move(captured);
+    return absl::OkStatus();
   }
 
   // Note [Fused AdamW]: the AdamW update of every master through ATen's _fused_adamw_ (one
@@ -209,6 +263,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data)});
   impl->device = device;
   impl->group = std::move(group);
+  if (device.is_cuda() && config.train.cuda_graphs) {
+    impl->graph_capture = cuda_graph_capture();
+    if (impl->graph_capture == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(config.source,
+                       ": train.cuda_graphs: true needs a binary linked with //gdr:cuda_graph_cuda "
+                       "(tools/train_cuda is); set train.cuda_graphs: false"));
+    }
+  }
   try {
     impl->model = QwenForCausalLM(config.model);
     init_qwen_weights(*impl->model, static_cast<uint64_t>(config.train.seed));
@@ -296,16 +359,47 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // Losses stay on the device until the step's end: one host sync per step, not one per
   // microbatch, so the host can queue the next microbatch while the GPU finishes this one.
   std::vector<at::Tensor> losses_on_device;
+  // All of this rank's token windows in one upload. On CUDA from pinned memory without
+  // blocking: a copy from pageable memory (what Tensor::to does with a std::vector's
+  // tensor) synchronises the stream first, so every microbatch used to start with the GPU
+  // drained and idle while the host queued its first kernels.
+  at::Tensor step_ids = at::empty({static_cast<int64_t>(mine.size()), batch, window}, at::kLong);
+  for (size_t k = 0; k < mine.size(); ++k) {
+    std::copy(mine[k].begin(), mine[k].end(),
+              step_ids.data_ptr<int64_t>() + static_cast<int64_t>(k) * batch * window);
+  }
+  if (m.device.is_cuda()) step_ids = step_ids.pin_memory().to(m.device, /*non_blocking=*/true);
   // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
   // microbatch's backward hands each parameter's final local sum to the cross-rank
   // reduction as soon as autograd produces its gradient.
   const bool overlap = world > 1 && m.config.train.overlap_grad_reduction;
   std::unique_ptr<OverlappedReduction> overlapped;
   for (size_t k = 0; k < mine.size(); ++k) {
-    const std::vector<int64_t>& tokens = mine[k];
-    const at::Tensor ids = at::tensor(tokens, at::kLong).reshape({batch, window}).to(m.device);
-    const at::Tensor loss = m.model->loss(ids, ids);
+    const at::Tensor ids = step_ids[static_cast<int64_t>(k)];
     const bool hand_over = overlap && k + 1 == mine.size();
+    stats.tokens += batch * (window - 1);
+    if (!hand_over && m.graph_capture != nullptr && m.eager_microbatches > 0) {
+      // Note [Microbatch graphs]
+      if (m.graph == nullptr) {
+        if (absl::Status s = m.capture_microbatch(ids, world * accum); !s.ok()) {
+          return absl::InternalError(absl::StrCat("step ", stats.step, ": ", s.message()));
+        }
+      }
+      MicrobatchGraph& g = *m.graph;
+      g.ids.copy_(ids, /*non_blocking=*/true);
+      g.work->replay();
+      ++stats.graph_replays;
+      losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
+      std::vector<at::Tensor> leaf;
+      // The graph overwrites its gradients at the next replay: the leaf must be a copy.
+      for (const at::Tensor& grad : g.grads) {
+        leaf.push_back(m.mixed() ? grad.to(at::kFloat) : grad.clone());
+      }
+      tree.add(std::move(leaf));
+      continue;
+    }
+    ++m.eager_microbatches;
+    const at::Tensor loss = m.model->loss(ids, ids);
     std::vector<unsigned> hooks;
     if (hand_over) {
       std::vector<std::vector<int64_t>> shapes;
@@ -320,7 +414,6 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     (loss / static_cast<double>(world * accum)).backward();
     for (size_t i = 0; i < hooks.size(); ++i) m.params[i].remove_hook(hooks[i]);
     losses_on_device.push_back(loss.detach().reshape({1}));
-    stats.tokens += batch * (window - 1);
     if (hand_over) {
       for (at::Tensor& p : m.params) p.mutable_grad().reset();
       continue;
@@ -640,6 +733,7 @@ absl::Status Trainer::run(std::ostream& log) {
           {"reduce_time_s", stats->reduce_time_s},
           {"host_queue_s", stats->host_queue_s},
           {"gpu_wait_s", stats->gpu_wait_s},
+          {"graph_replays", stats->graph_replays},
           {"skipped", stats->skipped},
       };
       metrics << line.dump() << "\n" << std::flush;

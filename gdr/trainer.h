@@ -64,6 +64,9 @@ struct StepStats {
   // microbatches' work, then waiting for the GPU to finish it at the step's one loss sync.
   double host_queue_s = 0;
   double gpu_wait_s = 0;
+  // Microbatches of this rank replayed from the CUDA graph (Note [Microbatch graphs] in
+  // trainer.cc); the others ran eagerly.
+  int64_t graph_replays = 0;
   bool skipped = false;
 };
 

@@ -1,5 +1,6 @@
 // The trainer on CUDA with deterministic_mode: two in-process runs are byte-identical,
-// resume from step 1 reproduces step 3 byte for byte (fp32 and bf16), the loss goes down.
+// resume from step 1 reproduces step 3 byte for byte (fp32 and bf16), CUDA-graph replays
+// give the eager run's bits, the loss goes down.
 // Runs on a GPU machine (tag gpu; tools/gpu/make_bundle.sh).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -55,6 +56,32 @@ TEST_P(TrainerGpuTest, TwoRunsOfThreeStepsAreByteIdentical) {
   }
   EXPECT_TRUE(bytes_equal(a->master_parameters(), b->master_parameters()));
   EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
+}
+
+// Note [Microbatch graphs]: replaying the captured microbatch gives the bits of running it
+// eagerly. Step 1's first microbatch warms up eagerly and its second is the capture's
+// first replay; every later microbatch is a replay.
+TEST_P(TrainerGpuTest, CudaGraphRunEqualsEagerRunByteForByte) {
+  RunConfig graphed_config = config();
+  ASSERT_TRUE(graphed_config.train.cuda_graphs) << "graphs are the default";
+  RunConfig eager_config = config();
+  eager_config.train.cuda_graphs = false;
+  std::unique_ptr<Trainer> graphed = make_trainer(graphed_config);
+  std::unique_ptr<Trainer> eager = make_trainer(eager_config);
+  const int64_t accum = graphed_config.train.grad_accum;
+  ASSERT_GE(accum, 2);
+  for (int i = 0; i < 3; ++i) {
+    const absl::StatusOr<StepStats> sg = graphed->train_step();
+    const absl::StatusOr<StepStats> se = eager->train_step();
+    ASSERT_TRUE(sg.ok()) << sg.status();
+    ASSERT_TRUE(se.ok()) << se.status();
+    EXPECT_EQ(sg->graph_replays, i == 0 ? accum - 1 : accum) << "step " << i + 1;
+    EXPECT_EQ(se->graph_replays, 0) << "step " << i + 1;
+    EXPECT_EQ(sg->microbatch_losses, se->microbatch_losses) << "step " << i + 1;
+    EXPECT_EQ(sg->grad_norm, se->grad_norm) << "step " << i + 1;
+  }
+  EXPECT_TRUE(bytes_equal(graphed->master_parameters(), eager->master_parameters()));
+  EXPECT_TRUE(bytes_equal(graphed->optimizer_tensors(), eager->optimizer_tensors()));
 }
 
 TEST_P(TrainerGpuTest, ResumeFromStepOneEqualsTheUninterruptedRunAtStepThree) {

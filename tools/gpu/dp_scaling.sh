@@ -20,8 +20,10 @@ median_tokens_per_s() {  # from the launch log on stdin
 declare -A tps
 for n in 1 2; do
   log=$(mktemp)
+  metrics=$(mktemp)
   if ! "$launch" "$n" "$train" --config="$config" --set=train.device=cuda \
-    --set=train.steps="$steps" --set=train.log_every=1 "$@" > "$log" 2>&1; then
+    --set=train.steps="$steps" --set=train.log_every=1 --set=train.metrics_path="$metrics" \
+    "$@" > "$log" 2>&1; then
     echo "DP=$n failed:" >&2
     tail -n 20 "$log" >&2
     exit 1
@@ -29,6 +31,15 @@ for n in 1 2; do
   tps[$n]=$(median_tokens_per_s < "$log")
   grep '^\[rank 0\] step ' "$log" | tail -n 2
   echo "DP=$n median tokens/s (steps 2..$steps): ${tps[$n]}"
-  rm -f "$log"
+  # Where rank 0's step time went (Note [Host-bound steps] in gdr/trainer.cc).
+  python3 - "$metrics" "$n" <<'PY' || true
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][1:]
+med = lambda k: statistics.median(r.get(k, 0) for r in rows) if rows else 0
+print(f"DP={sys.argv[2]} rank 0 medians (steps 2..): step_time_s {med('step_time_s'):.4f} "
+      f"host_queue_s {med('host_queue_s'):.4f} gpu_wait_s {med('gpu_wait_s'):.4f} "
+      f"reduce_time_s {med('reduce_time_s'):.4f}")
+PY
+  rm -f "$log" "$metrics"
 done
 echo "DP=2 / DP=1 tokens/s: $(awk -v a="${tps[1]}" -v b="${tps[2]}" 'BEGIN { printf "%.3f", b / a }')"
