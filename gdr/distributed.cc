@@ -238,9 +238,7 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::strin
   return out;
 }
 
-void PairwiseSum::add(std::vector<at::Tensor> leaf) {
-  at::NoGradGuard no_grad;
-  stack_.emplace_back(1, std::move(leaf));
+void PairwiseSum::merge_equal_levels() {
   while (stack_.size() >= 2 && stack_[stack_.size() - 1].first == stack_[stack_.size() - 2].first) {
     auto newer = std::move(stack_.back());
     stack_.pop_back();
@@ -248,6 +246,28 @@ void PairwiseSum::add(std::vector<at::Tensor> leaf) {
     at::_foreach_add_(older.second, newer.second);
     older.first += newer.first;
   }
+}
+
+void PairwiseSum::add(std::vector<at::Tensor> leaf) {
+  at::NoGradGuard no_grad;
+  stack_.emplace_back(1, std::move(leaf));
+  merge_equal_levels();
+}
+
+void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
+  at::NoGradGuard no_grad;
+  if (!stack_.empty() && stack_.back().first == 1) {
+    // The first merge add() would make: older += leaf, which only reads the leaf.
+    at::_foreach_add_(stack_.back().second, leaf);
+    stack_.back().first = 2;
+    merge_equal_levels();
+    return;
+  }
+  std::vector<at::Tensor> copy;
+  copy.reserve(leaf.size());
+  for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
+  at::_foreach_copy_(copy, leaf);
+  add(std::move(copy));
 }
 
 at::Tensor PairwiseSum::finish_with_last(size_t i, at::Tensor last) {

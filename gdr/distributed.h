@@ -145,6 +145,11 @@ class OverlappedReduction {
 class PairwiseSum {
  public:
   void add(std::vector<at::Tensor> leaf);
+  // add() of a leaf the caller keeps and may overwrite afterwards (a CUDA graph's output
+  // buffers, Note [Microbatch graphs]): when the leaf merges at once it is only read (added
+  // into the older partial sum, which add() would do too); otherwise it is copied first,
+  // with one multi-tensor copy. The same bits as add() of a copy.
+  void add_copy_of(const std::vector<at::Tensor>& leaf);
   // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
   // add() of that leaf and then finish() would make for index i, in the same order (so the
   // same bits), done for this index alone (Note [Overlapped gradient reduction]). Adds in
@@ -155,6 +160,7 @@ class PairwiseSum {
   std::vector<at::Tensor> finish();
 
  private:
+  void merge_equal_levels();
   std::vector<std::pair<int64_t, std::vector<at::Tensor>>> stack_;  // (leaves, partial sum)
 };
 

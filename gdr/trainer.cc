@@ -125,9 +125,13 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
 // eager. Capture fails (with an error naming train.cuda_graphs) when an op synchronises
 // with the host; keep forward and backward free of .item() and pageable copies.
 struct MicrobatchGraph {
-  at::Tensor ids;                 // the graph's input: [batch, window] token ids
-  at::Tensor loss;                // its outputs, overwritten by every replay
-  std::vector<at::Tensor> grads;  // one per parameter, in params order
+  at::Tensor ids;   // the graph's input: [batch, window] token ids
+  at::Tensor loss;  // its outputs, overwritten by every replay
+  // The microbatch's gradient leaf (Note [Gradient reduction tree]): one FP32 tensor per
+  // parameter, in params order, widened inside the graph so that a replay costs the host
+  // one launch; a host that launched ~300 widening copies per microbatch filled the
+  // stream's launch queue and ran only as far ahead of the GPU as the queue allowed.
+  std::vector<at::Tensor> leaf;
   std::unique_ptr<CapturedWork> work;
 };
 
@@ -176,6 +180,13 @@ struct Trainer::Impl {
         const at::Tensor loss = model->loss(captured->ids, captured->ids);
         (loss / static_cast<double>(divisor)).backward();
         captured->loss = loss.detach();
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < params.size(); ++i) {
+          const at::Tensor grad = params[i].grad();
+          TORCH_CHECK(grad.defined(), "parameter ", names[i],
+                      " got no gradient in the captured microbatch");
+          captured->leaf.push_back(mixed() ? grad.to(at::kFloat) : grad);
+        }
       });
     } catch (const c10::Error& e) {
       for (at::Tensor& p : params) p.mutable_grad().reset();
@@ -184,14 +195,7 @@ struct Trainer::Impl {
           "failed (set train.cuda_graphs: false to run without graphs): ",
           e.what_without_backtrace()));
     }
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!params[i].grad().defined()) {
-        return absl::InternalError(absl::StrCat("train.cuda_graphs: parameter ", names[i],
-                                                " got no gradient in the captured microbatch"));
-      }
-      captured->grads.push_back(params[i].grad());
-      params[i].mutable_grad().reset();
-    }
+    for (at::Tensor& p : params) p.mutable_grad().reset();
     graph = std::move(captured);
     return absl::OkStatus();
   }
@@ -390,12 +394,8 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
       g.work->replay();
       ++stats.graph_replays;
       losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
-      std::vector<at::Tensor> leaf;
-      // The graph overwrites its gradients at the next replay: the leaf must be a copy.
-      for (const at::Tensor& grad : g.grads) {
-        leaf.push_back(m.mixed() ? grad.to(at::kFloat) : grad.clone());
-      }
-      tree.add(std::move(leaf));
+      // The graph overwrites its leaf at the next replay.
+      tree.add_copy_of(g.leaf);
       continue;
     }
     ++m.eager_microbatches;

@@ -6,9 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <cmath>
 
 #include <map>
 #include <string>
@@ -93,6 +95,28 @@ TEST(PairwiseSumTest, TwoHalvesCombinedEqualTheWhole) {
   PairwiseSum whole;
   for (float v : kLeaves) whole.add({at::full({2}, v)});
   EXPECT_TRUE(at::equal(outer.finish()[0], whole.finish()[0]));
+}
+
+// add_copy_of(leaf) is add() of a copy of the leaf, for 1..7 leaves, and the tree never
+// holds the caller's tensors: overwriting them after each call changes nothing.
+TEST(PairwiseSumTest, AddCopyOfEqualsAddOfACopy) {
+  for (int n = 1; n <= 7; ++n) {
+    at::manual_seed(n);
+    PairwiseSum owned, borrowed;
+    std::vector<at::Tensor> buffer = {at::empty({5}), at::empty({2, 3})};
+    for (int k = 0; k < n; ++k) {
+      const std::vector<at::Tensor> leaf = {at::randn({5}) * 1e4, at::randn({2, 3})};
+      owned.add({leaf[0].clone(), leaf[1].clone()});
+      for (size_t i = 0; i < leaf.size(); ++i) buffer[i].copy_(leaf[i]);
+      borrowed.add_copy_of(buffer);
+      for (at::Tensor& t : buffer) t.fill_(std::nanf(""));
+    }
+    const std::vector<at::Tensor> want = owned.finish(), got = borrowed.finish();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(at::equal(got[i], want[i])) << n << " leaves, index " << i;
+    }
+  }
 }
 
 // finish_with_last(i, x) is add() of a leaf holding x at index i, then finish(), for
