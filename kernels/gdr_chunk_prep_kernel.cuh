@@ -37,7 +37,7 @@
 // The backward recomputes r and xn from the same inputs with the same code (the same
 // bits), then maps the gradient dxn of the normalised row back:
 //   dx = r * (dxn - xn * <xn, dxn>),
-// the brief form of what autograd gives for the composite (dxn r - x <dxn, x> r^3: the
+// the compact form of what autograd gives for the composite (dxn r - x <dxn, x> r^3: the
 // same value since xn = x r, without r^3, which underflows for large rows). xn of k is
 // K itself (shared memory); xn of q is recomputed from q reloaded from global memory
 // (shared memory holds scale * xn, and dividing by scale would add a rounding).
