@@ -6,7 +6,8 @@
 //
 // Contract shared by every entry point below:
 //   q, k:          [B, T, Hk, dk]  FP32 / BF16 / FP16 / FP64, one dtype (any strides).
-//   v:             [B, T, H, dv]   FP32 / BF16 / FP16 / FP64; H = Hv a multiple of Hk.
+//   v:             [B, T, H, dv]   FP32 / BF16 / FP16 / FP64 (may differ from q's dtype);
+//                                  H (= Hv) a multiple of Hk.
 //   g (log decay): [B, T, H]       FP32 (or FP64), g <= 0 in practice.
 //   beta:          [B, T, H]       FP32 (or FP64).
 //   initial_state: [B, H, dk, dv]  any floating dtype; absent means zeros.
