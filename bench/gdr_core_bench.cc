@@ -2,9 +2,12 @@
 // state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
 // loop (composite), and steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
 // through set_gdr_core_prep) against the ATen ops (aten): forward (autograd recording, as
-// in training) and forward+backward through autograd. BF16 (default) or FP32 q/k/v
-// (--dtype=fp32: what the model hands the core after its FP32 L2 norm), q and k
-// L2-normalised beforehand as the model does, FP32 g and beta. CUDA events around each host call
+// in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
+// q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
+// --dtype=model, what the model hands the core: raw (unnormalised) BF16 q, k with
+// --key_heads key heads as slices of one conv-output row, FP32 v, GdrQkNorm::kL2 (the
+// norm and head mapping fused into the prep kernels; the ATen arms normalise and repeat in
+// ATen). CUDA events around each host call
 // (so host and launch overhead count, which is what the composite loses), warm-up, then the median
 // of timed repetitions.
 //
@@ -51,28 +54,43 @@ struct Timings {
   double forward_ms = 0, forward_backward_ms = 0;
 };
 
-void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv, at::ScalarType dtype) {
+// How the core's inputs arrive (--dtype).
+enum class Inputs { kBf16, kFp32, kModel };
+
+void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inputs inputs) {
   const int64_t B = 1;
   const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const bool model = inputs == Inputs::kModel;
+  const at::ScalarType qk_dtype = inputs == Inputs::kFp32 ? at::kFloat : at::kBFloat16;
+  const at::ScalarType v_dtype = inputs == Inputs::kBf16 ? at::kBFloat16 : at::kFloat;
   at::manual_seed(0);
-  at::Tensor q = at::randn({B, T, H, dk}, cuda);
-  at::Tensor k = at::randn({B, T, H, dk}, cuda);
-  q = (q / q.norm(2, -1, true)).to(dtype);
-  k = (k / k.norm(2, -1, true)).to(dtype);
-  const at::Tensor v = at::randn({B, T, H, dv}, cuda).to(dtype);
+  at::Tensor q, k;
+  if (model) {
+    const at::Tensor conv = at::randn({B, T, 2 * Hk * dk}, cuda).to(qk_dtype);
+    q = conv.narrow(-1, 0, Hk * dk).view({B, T, Hk, dk});
+    k = conv.narrow(-1, Hk * dk, Hk * dk).view({B, T, Hk, dk});
+  } else {
+    q = at::randn({B, T, H, dk}, cuda);
+    k = at::randn({B, T, H, dk}, cuda);
+    q = (q / q.norm(2, -1, true)).to(qk_dtype);
+    k = (k / k.norm(2, -1, true)).to(qk_dtype);
+  }
+  const at::Tensor v = at::randn({B, T, H, dv}, cuda).to(v_dtype);
   const at::Tensor g = -at::rand({B, T, H}, cuda);
   const at::Tensor beta = at::sigmoid(at::randn({B, T, H}, cuda));
-  const at::Tensor grad_o = at::randn({B, T, H, dv}, cuda).to(dtype);
+  const at::Tensor grad_o = at::randn({B, T, H, dv}, cuda).to(v_dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  const GdrQkNorm qk_norm = model ? GdrQkNorm::kL2 : GdrQkNorm::kNone;
 
   std::vector<at::Tensor> leaves = {q, k, v, g, beta};
   for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
-  auto forward = [&] {
-    gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale);
+  auto run = [&] {
+    return gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale,
+                                    std::nullopt, false, kGdrChunkSize, qk_norm);
   };
+  auto forward = [&] { run(); };
   auto forward_backward = [&] {
-    auto [o, s] =
-        gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], scale);
+    auto [o, s] = run();
     torch::autograd::grad({o}, leaves, {grad_o});
   };
 
@@ -120,21 +138,22 @@ void bench_length(int64_t T, int64_t H, int64_t dk, int64_t dv, at::ScalarType d
 
 int main(int argc, char** argv) {
   std::vector<int64_t> lengths = {2048, 16384};
-  int64_t heads = 16, dk = 128, dv = 128;
-  at::ScalarType dtype = at::kBFloat16;
+  int64_t heads = 16, key_heads = 0, dk = 128, dv = 128;
+  gdr::Inputs inputs = gdr::Inputs::kBf16;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--dk=D] [--dv=D] "
-          "[--dtype=bf16|fp32]\n"
-          "  Times gated_delta_rule_chunked (B=1, BF16 or FP32 q/k/v) forward and "
-          "forward+backward with\n"
+          "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--key_heads=Hk] [--dk=D] "
+          "[--dv=D] [--dtype=bf16|fp32|model]\n"
+          "  Times gated_delta_rule_chunked (B=1) forward and forward+backward with\n"
           "  step 7 as the CUDA chunk state kernel (kernel) and as the per-chunk ATen loop\n"
           "  (composite), and steps 1-6 (prep) as the chunk prep kernels (kernel) or ATen ops\n"
-          "  (aten): rows kernel/kernel, kernel/aten, composite/aten. Defaults: "
-          "--lengths=2048,16384 --heads=16 --dk=128 --dv=128 --dtype=bf16 (fp32 is what the\n"
-          "  model hands the core).\n"
+          "  (aten): rows kernel/kernel, kernel/aten, composite/aten. Inputs: bf16 / fp32 =\n"
+          "  L2-normalised q/k/v of that dtype with H heads; model = what the model hands the\n"
+          "  core: raw BF16 q/k with Hk key heads (slices of one conv row), FP32 v,\n"
+          "  GdrQkNorm::kL2. Defaults: --lengths=2048,16384 --heads=16 --key_heads=H --dk=128\n"
+          "  --dv=128 --dtype=bf16.\n"
           "  'vs composite' is composite time / this row's time; TFLOP/s counts the matmul\n"
           "  FLOPs of the whole chunked algorithm (formula in bench/gdr_core_bench.cc).\n");
       return 0;
@@ -152,10 +171,14 @@ int main(int argc, char** argv) {
         }
         lengths.push_back(value);
       }
-    } else if (arg == "--dtype=bf16" || arg == "--dtype=fp32") {
-      dtype = arg == "--dtype=fp32" ? at::kFloat : at::kBFloat16;
+    } else if (arg == "--dtype=bf16" || arg == "--dtype=fp32" || arg == "--dtype=model") {
+      inputs = arg == "--dtype=fp32"    ? gdr::Inputs::kFp32
+               : arg == "--dtype=model" ? gdr::Inputs::kModel
+                                        : gdr::Inputs::kBf16;
     } else if (std::sscanf(argv[i], "--heads=%lld", &value) == 1 && value > 0) {
       heads = value;
+    } else if (std::sscanf(argv[i], "--key_heads=%lld", &value) == 1 && value > 0) {
+      key_heads = value;
     } else if (std::sscanf(argv[i], "--dk=%lld", &value) == 1 && value > 0) {
       dk = value;
     } else if (std::sscanf(argv[i], "--dv=%lld", &value) == 1 && value > 0) {
@@ -166,17 +189,33 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (key_heads == 0) key_heads = heads;
+  if (inputs != gdr::Inputs::kModel && key_heads != heads) {
+    std::fprintf(stderr,
+                 "gdr_core_bench: --key_heads needs --dtype=model (got Hk = %lld, H = %lld)\n",
+                 static_cast<long long>(key_heads), static_cast<long long>(heads));
+    return 2;
+  }
+  if (heads % key_heads != 0) {
+    std::fprintf(stderr,
+                 "gdr_core_bench: --heads must be a multiple of --key_heads but got H = %lld, "
+                 "Hk = %lld\n",
+                 static_cast<long long>(heads), static_cast<long long>(key_heads));
+    return 2;
+  }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
+  const char* input_names[] = {"BF16 q/k/v", "FP32 q/k/v",
+                               "raw BF16 q/k (fused L2 norm, Hk key heads), FP32 v"};
   std::printf(
-      "GPU: %s, %d SMs; B=1, %s q/k/v; warm-up %d, median of %d; eager times in ms "
+      "GPU: %s, %d SMs; B=1, %s, Hk = %lld; warm-up %d, median of %d; eager times in ms "
       "(CUDA events around the host call)\n\n",
-      prop.name, prop.multiProcessorCount, dtype == at::kFloat ? "FP32" : "BF16", gdr::kWarmup,
-      gdr::kRepeats);
+      prop.name, prop.multiProcessorCount, input_names[static_cast<int>(inputs)],
+      static_cast<long long>(key_heads), gdr::kWarmup, gdr::kRepeats);
   std::printf(
       "| T | H | dk/dv | step 7 | prep | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | "
       "vs composite | fwd+bwd TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int64_t T : lengths) gdr::bench_length(T, heads, dk, dv, dtype);
+  for (int64_t T : lengths) gdr::bench_length(T, heads, key_heads, dk, dv, inputs);
   return 0;
 }

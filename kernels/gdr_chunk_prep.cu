@@ -14,18 +14,18 @@ namespace chunk_prep_detail {
 // CUDA kernels
 
 // Two blocks per SM (81 KiB of shared memory each at dk = 128): at most 128 registers.
-template <typename TIn>
+template <typename TQK, typename TV>
 __global__ void __launch_bounds__(kThreads, 2)
     chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_forward_block<TIn>(args, smem);
+  chunk_prep_forward_block<TQK, TV>(args, smem);
 }
 
-template <typename TIn, int DK>
+template <typename TQK, typename TV, int DK>
 __global__ void __launch_bounds__(kThreads)
     chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_backward_block<TIn, DK>(args, smem);
+  chunk_prep_backward_block<TQK, TV, DK>(args, smem);
 }
 
 // ----------------------------------------------------------------------------
@@ -52,32 +52,48 @@ int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* st
   return static_cast<int>(cudaGetLastError());
 }
 
+// The launch arguments the kernels cannot handle, refused without launching.
+bool valid_shape(const ChunkPrepShape& s) {
+  return chunk_prep_supports(s.dk, s.dv) && chunk_prep_supports_inputs(s.qk_input, s.v_input) &&
+         s.head_group >= 1 && s.heads % s.head_group == 0;
+}
+
+template <int DK>
+int launch_backward_dk(const ChunkPrepBackwardArgs& args, int64_t floats, CUstream_st* stream) {
+  const ChunkPrepShape& s = args.shape;
+  if (s.qk_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_backward_kernel<float, float, DK>, args, floats, stream);
+  }
+  if (s.v_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_backward_kernel<Bf16, float, DK>, args, floats, stream);
+  }
+  return launch(chunk_prep_backward_kernel<Bf16, Bf16, DK>, args, floats, stream);
+}
+
 }  // namespace chunk_prep_detail
 
 int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream) {
   using namespace chunk_prep_detail;
   const ChunkPrepShape& s = args.shape;
-  if (!chunk_prep_supports(s.dk, s.dv)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
-  if (s.input == ChunkPrepInput::kBFloat16) {
-    return launch(chunk_prep_forward_kernel<Bf16>, args, floats, stream);
+  if (s.qk_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_forward_kernel<float, float>, args, floats, stream);
   }
-  return launch(chunk_prep_forward_kernel<float>, args, floats, stream);
+  if (s.v_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_forward_kernel<Bf16, float>, args, floats, stream);
+  }
+  return launch(chunk_prep_forward_kernel<Bf16, Bf16>, args, floats, stream);
 }
 
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream) {
   using namespace chunk_prep_detail;
   const ChunkPrepShape& s = args.shape;
-  if (!chunk_prep_supports(s.dk, s.dv)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
-  const bool bf16 = s.input == ChunkPrepInput::kBFloat16;
   switch (s.dk) {
-    case 64:
-      return bf16 ? launch(chunk_prep_backward_kernel<Bf16, 64>, args, floats, stream)
-                  : launch(chunk_prep_backward_kernel<float, 64>, args, floats, stream);
-    case 128:
-      return bf16 ? launch(chunk_prep_backward_kernel<Bf16, 128>, args, floats, stream)
-                  : launch(chunk_prep_backward_kernel<float, 128>, args, floats, stream);
+    case 64: return launch_backward_dk<64>(args, floats, stream);
+    case 128: return launch_backward_dk<128>(args, floats, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

@@ -1,27 +1,36 @@
 // The per-chunk preparation of the chunked gated delta rule (steps 1-6 of the spec in the
 // shared design note qwen3_5.md) as one CUDA kernel each way: forward, one thread block
-// per (batch, head, chunk), produces exactly the operands of the chunk state scan
-// (kernels/gdr_chunk_state.h); backward, one block per (batch, head, chunk) again, turns
-// their gradients into gradients of q, k, v, g, beta. Plain C++ (no CUDA or torch headers).
+// per (batch, value head, chunk), produces exactly the operands of the chunk state scan
+// (kernels/gdr_chunk_state.h); backward, one block per (batch, value head, chunk) again,
+// turns their gradients into gradients of q, k, v, g, beta. Plain C++ (no CUDA or torch
+// headers).
 //
 // Per chunk of C = 64 rows (rows past the sequence end are zero: g = beta = q = k = v = 0):
+//   q, k = the chunk's rows of key head h / head_group (value head h's key head, as
+//          repeat_interleave(head_group) along heads would give), L2-normalised per row
+//          when l2_normalize_qk: x * rsqrt(sum(x^2) + kChunkPrepL2Eps) (Note [Fused q/k L2
+//          norm] in kernels/gdr_chunk_prep_kernel.cuh)
 //   Q = scale * q;  G = cumsum(g) (inclusive);  L[i,j] = exp(G_i - G_j) for i >= j, else 0
 //   M = strict_lower(beta_i (K K^T) * L);  (I + M) [U | W] = [beta V | beta K * exp(G)]
 //   P = (Q K^T) * L (diagonal kept);  Qd = Q * exp(G);  Kend = K * exp(G_last - G)
 //   G_last = G_{C-1}
 // The backward is derived in ops/gdr_chunk_prep.h (Note [Chunk prep backward]).
 //
-// Layouts: q, k [B, T, H, dk], v [B, T, H, dv], FP32 or BF16 (one type), unit stride in
-// the head dim and any batch / token / head strides (TokenStrides: views such as narrow()
-// slices of a wider projection need no copy); g, beta [B, T, H] FP32, any strides. Chunk
-// outputs are contiguous FP32: u [B, H, N, C, dv], w, qd, kend [B, H, N, C, dk],
-// p [B, H, N, C, C], g_last [B, H, N]. Gradients are contiguous in the input shapes: dq,
-// dk, dv in the type of q, k, v (BF16 rounded to nearest even, as at::BFloat16 does), dg,
-// dbeta FP32. The chunk of the last (partial) chunk past T is handled in the kernels: no
-// padded copies. The launchers run on the stream
-// they are given. Results are deterministic: every block owns disjoint outputs (its
-// chunk's rows), every sum is one thread's fixed-order FP32 sum, no atomics (Note [Chunk
-// prep determinism] in kernels/gdr_chunk_prep_kernel.cuh).
+// Layouts: q, k [B, T, Hk, dk] (Hk = H / head_group key heads), FP32 or BF16 (one type);
+// v [B, T, H, dv], FP32 or BF16 (the same type as q, k, or FP32 with BF16 q, k); unit
+// stride in the head dim and any batch / token / head strides (TokenStrides: views such as
+// narrow() slices of a wider projection need no copy); g, beta [B, T, H] FP32, any
+// strides. Chunk outputs are contiguous FP32: u [B, H, N, C, dv], w, qd, kend
+// [B, H, N, C, dk], p [B, H, N, C, C], g_last [B, H, N]. Gradients are contiguous: dv in
+// v's type, dg, dbeta FP32, in the input shapes; dq, dk [B, T, H, dk], one row per VALUE
+// head: with head_group 1 these are the gradients, in q's type; with head_group > 1 they
+// are FP32 partials that the caller sums over each key head's group (no block owns a
+// whole group, and no atomics: Note [Chunk prep determinism]). BF16 stores round to
+// nearest even, as at::BFloat16 does. The chunk of the last (partial) chunk past T is
+// handled in the kernels: no padded copies. The launchers run on the stream they are
+// given. Results are deterministic: every block owns disjoint outputs (its chunk's rows),
+// every sum is one thread's fixed-order FP32 sum, no atomics (Note [Chunk prep
+// determinism] in kernels/gdr_chunk_prep_kernel.cuh).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +44,8 @@ constexpr int kChunkPrepThreads = 256;  // threads per block
 constexpr int kChunkPrepSlab = 32;      // [U | W] columns staged per step of dM = -dR X^T
 // Dynamic shared memory one block may use (H100 / H200: 227 KiB opt-in).
 constexpr int64_t kChunkPrepMaxSharedBytes = 227 * 1024;
+// eps of the fused q/k L2 norm (the model's, HF's use_qk_l2norm_in_kernel).
+constexpr float kChunkPrepL2Eps = 1e-6f;
 
 enum class ChunkPrepInput { kFloat, kBFloat16 };
 
@@ -51,38 +62,47 @@ struct TokenStrides {
 inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
   (void)dv;  // the right-hand side [beta V | beta K exp(G)] lives in registers
-  return 2 * C * (dk + 1) + C * C + 3 * C;
+  return 2 * C * (dk + 1) + C * C + 5 * C;
 }
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
-  return 2 * C * (dk + 1) + C * (dv + dk + 1) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 1) + 5 * C;
+  return 2 * C * (dk + 1) + C * (dv + dk + 1) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 1) + 7 * C;
 }
 
 // dk is a template parameter of the backward (register arrays); dv splits into whole
 // 16-column groups and must leave the backward's shared memory within the limit
-// (dk = 128: dv <= 208; dk = 64: dv <= 272).
+// (dk = 128: dv <= 208; dk = 64: dv <= 400).
 inline bool chunk_prep_supports(int64_t dk, int64_t dv) {
   return (dk == 64 || dk == 128) && dv > 0 && dv % 16 == 0 &&
          chunk_prep_backward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes &&
          chunk_prep_forward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes;
 }
 
+// The (q / k, v) type pairs the kernels are built for: (FP32, FP32), (BF16, BF16) and
+// (BF16, FP32), the model's (BF16 conv outputs for q and k, FP32 v).
+inline bool chunk_prep_supports_inputs(ChunkPrepInput qk, ChunkPrepInput v) {
+  return qk == v || (qk == ChunkPrepInput::kBFloat16 && v == ChunkPrepInput::kFloat);
+}
+
 struct ChunkPrepShape {
-  int64_t batch = 0;   // B
-  int64_t tokens = 0;  // T
-  int64_t heads = 0;   // H
-  int64_t chunks = 0;  // N = ceil(T / C)
+  int64_t batch = 0;       // B
+  int64_t tokens = 0;      // T
+  int64_t heads = 0;       // H: value heads, one block row per head
+  int64_t chunks = 0;      // N = ceil(T / C)
+  int64_t head_group = 1;  // H / Hk: value head h reads key head h / head_group of q, k
   int dk = 0;
   int dv = 0;
   float scale = 1.0f;
-  ChunkPrepInput input = ChunkPrepInput::kFloat;
+  bool l2_normalize_qk = false;  // q, k rows normalised on load (Note [Fused q/k L2 norm])
+  ChunkPrepInput qk_input = ChunkPrepInput::kFloat;
+  ChunkPrepInput v_input = ChunkPrepInput::kFloat;
 };
 
 struct ChunkPrepForwardArgs {
   ChunkPrepShape shape;
   TokenStrides q_strides, k_strides, v_strides, g_strides, beta_strides;
-  const void* q = nullptr;      // [B, T, H, dk]
-  const void* k = nullptr;      // [B, T, H, dk]
+  const void* q = nullptr;      // [B, T, Hk, dk]
+  const void* k = nullptr;      // [B, T, Hk, dk]
   const void* v = nullptr;      // [B, T, H, dv]
   const float* g = nullptr;     // [B, T, H]
   const float* beta = nullptr;  // [B, T, H]
@@ -111,8 +131,10 @@ struct ChunkPrepBackwardArgs {
   const float* grad_p = nullptr;
   const float* grad_kend = nullptr;
   const float* grad_g_last = nullptr;
-  void* dq = nullptr;      // [B, T, H, dk] contiguous, q's type
-  void* dk = nullptr;      // [B, T, H, dk] contiguous, k's type
+  // [B, T, H, dk] contiguous, one row per value head: q's (k's) type when head_group is 1,
+  // else FP32 partials for the caller to sum over each key head's group.
+  void* dq = nullptr;
+  void* dk = nullptr;
   void* dv = nullptr;      // [B, T, H, dv] contiguous, v's type
   float* dg = nullptr;     // [B, T, H]
   float* dbeta = nullptr;  // [B, T, H]

@@ -5,19 +5,42 @@
 // CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
 // NOTE: keep this file free of includes and of CUDA APIs beyond __device__,
 // __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, __float_as_uint,
-// expf and fmaf: the emulation test defines exactly those.
+// expf, fmaf and rsqrtf: the emulation test defines exactly those.
 //
 // Note [Chunk prep determinism]
-// One block owns one (batch, head, chunk) and writes only that chunk's rows of every
+// One block owns one (batch, value head, chunk) and writes only that chunk's rows of every
 // output (forward: its slice of u, w, qd, p, kend, g_last; backward: rows n*C .. n*C+C-1 of
-// dq, dk, dv, dg, dbeta for its head). Gradients never cross chunks: g reaches G only
+// dq, dk, dv, dg, dbeta for its value head). Gradients never cross chunks: g reaches G only
 // through the cumsum inside its own chunk, and the chunk state scan carries everything
-// that does cross chunks. So there is no cross-block reduction, hence no atomics and no
-// scratch partials across blocks. Inside a block every output element is accumulated by
-// one thread in a fixed index order; the backward's row sums are four fixed quarters (each
+// that does cross chunks. So there is no cross-block reduction inside the kernels, hence
+// no atomics. The one sum across blocks is that of the head groups: when head_group > 1
+// the value heads of one key head (different blocks) each write their own FP32 dq, dk
+// partial row (every slot written once), and the op sums them in value-head order with
+// elementwise adds on the same stream (Note [Head group gradient sum] in
+// ops/gdr_chunk_prep.cc). Inside a block every output element is accumulated by one
+// thread in a fixed index order; the backward's row sums are four fixed quarters (each
 // one thread's in-order sum, in shared memory) that one thread per row adds in quarter
-// order; the cumsums are one thread's sequential loop. The same inputs therefore give the
-// same bits on every run, stream and load.
+// order; the fused L2 norm's sums of squares are one thread per row, columns in order,
+// and its backward's row dots sixteen per-thread partials added in thread order by every
+// thread of the row (Note [Fused q/k L2 norm]); the cumsums are one thread's sequential
+// loop. The same inputs therefore give the same bits on every run, stream and load.
+//
+// Note [Fused q/k L2 norm]
+// With l2_normalize_qk the kernels read q and k un-normalised (the causal conv's output,
+// BF16 in training) and normalise each row of dk elements on load, which is what the ATen
+// composite (ops/gdr_chunk_prep.h, chunk_prep_qk) does with x * rsqrt(sum(x^2) + eps):
+//   r = rsqrtf(ss + eps), ss = sum_c x_c^2 as one thread's fmaf chain, c ascending;
+//   xn = x * r;  Q = xn * scale (two roundings, as the composite's two multiplies).
+// The composite's order of the sum of squares differs (ATen's reduction tree), and
+// rsqrtf is the device's approximate reciprocal square root (what at::rsqrt runs on CUDA),
+// so the normalised rows agree with the composite's to a few FP32 ulps, not bit for bit.
+// The backward recomputes r and xn from the same inputs with the same code (the same
+// bits), then maps the gradient dxn of the normalised row back:
+//   dx = r * (dxn - xn * <xn, dxn>),
+// the compact form of what autograd gives for the composite (dxn r - x <dxn, x> r^3: the
+// same value since xn = x r, without r^3, which underflows for large rows). xn of k is
+// K itself (shared memory); xn of q is recomputed from q reloaded from global memory
+// (shared memory holds scale * xn, and dividing by scale would add a rounding).
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
@@ -49,13 +72,25 @@ __device__ __forceinline__ void store_float(Bf16* p, float x) {
                    : static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// One element of dq or dk: in q's type, or an FP32 partial when the value heads of a key
+// head are summed by the caller (head_group > 1).
+template <typename TQK>
+__device__ __forceinline__ void store_qk_grad(void* base, bool partials, long long at, float x) {
+  if (partials) {
+    store_float(static_cast<float*>(base) + at, x);
+  } else {
+    store_float(static_cast<TQK*>(base) + at, x);
+  }
+}
+
 // Where a block's chunk lives.
 struct ChunkPlace {
   long long block;  // (b * H + h) * N + n: index of the chunk in the [B, H, N] outputs
   long long row0;   // element offset of token n*C, head h in a contiguous [B, T, H] (the
                     // gradients' layout; times d for dq, dk, dv)
   long long b, h, t0;
-  int rows;  // rows of the chunk inside the sequence (the rest are padding)
+  long long kh;  // the key head of q and k that value head h reads: h / head_group
+  int rows;      // rows of the chunk inside the sequence (the rest are padding)
 };
 
 __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
@@ -65,6 +100,7 @@ __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
   const long long bh = place.block / s.chunks;
   place.h = bh % s.heads;
   place.b = bh / s.heads;
+  place.kh = place.h / s.head_group;
   place.t0 = n * kC;
   place.row0 = (place.b * s.tokens + place.t0) * s.heads + place.h;
   const long long left = s.tokens - place.t0;
@@ -72,10 +108,15 @@ __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
   return place;
 }
 
-// Element offset of row i of the chunk in an input with the given strides.
+// Element offset of row i of the chunk in an input with the given strides: v, g, beta
+// (value heads), and q, k (key heads).
 __device__ __forceinline__ long long input_row(const TokenStrides& st, const ChunkPlace& place,
                                                int i) {
   return place.b * st.batch + (place.t0 + i) * st.token + place.h * st.head;
+}
+__device__ __forceinline__ long long key_row(const TokenStrides& st, const ChunkPlace& place,
+                                             int i) {
+  return place.b * st.batch + (place.t0 + i) * st.token + place.kh * st.head;
 }
 
 // Loads g and beta of the chunk (zeros past the end) and forms G = cumsum(g) and exp(G).
@@ -111,12 +152,14 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
 constexpr int kLoadBatch = 8;
 
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
+// With the fused L2 norm both are loaded raw and normalize_qk finishes them.
 template <typename TIn, typename Args>
 __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
                                         int q_pitch, float* ks, int k_pitch) {
   const ChunkPrepShape& s = args.shape;
   const TIn* q = static_cast<const TIn*>(args.q);
   const TIn* k = static_cast<const TIn*>(args.k);
+  const float q_mul = s.l2_normalize_qk ? 1.0f : s.scale;
   const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
   for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
     float qv[kLoadBatch], kv[kLoadBatch];
@@ -125,8 +168,8 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
       const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
       qv[m] = kv[m] = 0.0f;
       if (e < n && i < place.rows) {
-        qv[m] = load_float(q + input_row(args.q_strides, place, i) + c) * s.scale;
-        kv[m] = load_float(k + input_row(args.k_strides, place, i) + c);
+        qv[m] = load_float(q + key_row(args.q_strides, place, i) + c) * q_mul;
+        kv[m] = load_float(k + key_row(args.k_strides, place, i) + c);
       }
     }
 #pragma unroll
@@ -137,6 +180,31 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
         ks[i * k_pitch + c] = kv[m];
       }
     }
+  }
+}
+
+// The fused L2 norm of the raw rows load_qk left in qs and ks (Note [Fused q/k L2 norm]):
+// rq[i], rk[i] = rsqrt(sum of squares + eps), one thread per row (threads C .. 3C-1, so
+// that thread 0's cumsum in load_decays runs alongside), then Q = (q r) scale, K = k r in
+// place. Starts after a barrier that published the raw rows; the caller's next barrier
+// publishes the result. Padded rows are zero and stay zero (r = rsqrt(eps) is finite).
+__device__ __forceinline__ void normalize_qk(const ChunkPrepShape& s, float* qs, int q_pitch,
+                                             float* ks, int k_pitch, float* rq, float* rk) {
+  const int tid = threadIdx.x, dk = s.dk;
+  static_assert(3 * kC <= kThreads, "one thread per q row and per k row besides thread 0");
+  if (tid >= kC && tid < 3 * kC) {
+    const int i = (tid - kC) % kC;
+    const bool is_q = tid < 2 * kC;
+    const float* row = is_q ? qs + i * q_pitch : ks + i * k_pitch;
+    float ss = 0.0f;
+    for (int c = 0; c < dk; ++c) ss = fmaf(row[c], row[c], ss);
+    (is_q ? rq : rk)[i] = rsqrtf(ss + kChunkPrepL2Eps);
+  }
+  __syncthreads();
+  for (int e = tid; e < kC * dk; e += kThreads) {
+    const int i = e / dk, c = e % dk;
+    qs[i * q_pitch + c] = (qs[i * q_pitch + c] * rq[i]) * s.scale;
+    ks[i * k_pitch + c] = ks[i * k_pitch + c] * rk[i];
   }
 }
 
@@ -265,16 +333,18 @@ __device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC])
 // CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
 
 // Forward. Shared memory (floats): ks, qs [C][dk+1] K and scale*Q; ms [C][C] M (pitch C:
-// 16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta, exp(G).
-// 2 C (dk + 1) + C^2 + 3 C floats, 81 KiB at dk = 128 whatever dv: two blocks fit an
-// H100 / H200 SM (the right-hand side no longer sits in shared memory).
-// Phases: decays and Q, K -> (sync) Gram tiles -> M, P; Qd, Kend, G_last -> (sync)
+// 16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta, exp(G);
+// rq, rk [C] the fused L2 norm's reciprocal row norms. 2 C (dk + 1) + C^2 + 5 C floats,
+// 82 KiB at dk = 128 whatever dv: two blocks fit an H100 / H200 SM (the right-hand side
+// no longer sits in shared memory).
+// Phases: decays and Q, K (normalised in place with the fused L2 norm) -> (sync) Gram
+// tiles -> M, P; Qd, Kend, G_last -> (sync)
 // forward substitution, one thread per column of [U | W] held in registers (Note
 // [Register-resident substitution]): the thread forms its column of the right-hand side
 // [beta V | beta K exp(G)] (V straight from global memory, coalesced across the warp),
 // then row i is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the
 // substitution needs no barrier at all.
-template <typename TIn>
+template <typename TQK, typename TV>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
@@ -285,12 +355,15 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* gs = ms + kC * kC;
   float* bs = gs + kC;
   float* es = bs + kC;
+  float* rq = es + kC;
+  float* rk = rq + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
-  const TIn* v = static_cast<const TIn*>(args.v);
+  const TV* v = static_cast<const TV*>(args.v);
 
-  load_qk<TIn>(args, place, qs, kp, ks, kp);
-  load_decays(args, place, gs, bs, es);  // ends with the cumsum, no barrier
+  load_qk<TQK>(args, place, qs, kp, ks, kp);
+  load_decays(args, place, gs, bs, es);  // a barrier, then the cumsum (no barrier after)
+  if (s.l2_normalize_qk) normalize_qk(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
 
   float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
@@ -322,7 +395,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
     if (c < dv) {
-      const TIn* vc = v + input_row(args.v_strides, place, 0) + c;
+      const TV* vc = v + input_row(args.v_strides, place, 0) + c;
       const long long token = args.v_strides.token;
 #pragma unroll
       for (int i = 0; i < kC; ++i) {
@@ -347,16 +420,19 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // place into dR = (I + M)^-T [dU | dW]; kl [C][C+1] (K K^T) * L strictly below the
 // diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] first M^T
 // at pitch C (phases 1-2), then dM, later dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column
-// slab of [U | W], later the phase 5 partial sums; gs, bs, es, dgs, fs [C].
-// Phases, each ended by a barrier: 0 decays, Q, K; 1 Gram tiles -> kl, M^T, pm and
+// slab of [U | W], later the phase 5 partial sums and the phase 6 row dots; gs, bs, es,
+// dgs, fs, rq, rk [C].
+// Phases, each ended by a barrier: 0 decays, Q, K (with the fused L2 norm, normalised
+// exactly as in the forward); 1 Gram tiles -> kl, M^T, pm and
 // [dU | dW] -> rs; 2 back substitution per column in registers (row i of dR is
 // dX_i - sum_{j>i} M_ji dR_j, j descending: Note [Register-resident substitution]); 3 dM =
 // -dR X^T below the diagonal, X streamed through xs; 4 elementwise C x C: E, dM .* kl,
 // dKK, dQK; 5 four threads per row, each a quarter of every row sum, then one thread per
 // row adds the quarters in order: dbeta and the row part of dG (thread 0 then adds the
 // G_last terms and runs the reverse cumsum into dg); 6 dk, dq as register tiles (4 rows x
-// DK/16 columns per thread), and dv.
-template <typename TIn, int DK>
+// DK/16 columns per thread; with the fused L2 norm, mapped back through it with one more
+// barrier for the row dots), and dv.
+template <typename TQK, typename TV, int DK>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dv = s.dv, cols = dv + DK;
@@ -374,14 +450,17 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   float* es = bs + kC;
   float* dgs = es + kC;
   float* fs = dgs + kC;
+  float* rq = fs + kC;
+  float* rk = rq + kC;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
-  const TIn* v = static_cast<const TIn*>(args.v);
+  const TV* v = static_cast<const TV*>(args.v);
   const long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
 
   // Phase 0.
-  load_qk<TIn>(args, place, qs, kp, ks, kp);
+  load_qk<TQK>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);
+  if (s.l2_normalize_qk) normalize_qk(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
 
   // Phase 1.
@@ -640,25 +719,84 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         }
       }
     }
+    // acc_k, acc_q become dK and scale dQ: the gradients of the rows as steps 1-6 use them
+    // (after the fused L2 norm, when it is on). Padded rows are formed too but never
+    // stored, so that every thread can take part in the L2 norm's row dots below.
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
       const int i = tr + kRowThreads * a;
-      if (i >= place.rows) continue;
+      const bool real = i < place.rows;
       const float decay_end = expf(g_last - gs[i]);
-      float dkend[kCols], dqd[kCols];  // loaded before the stores: Note [Batched global loads]
+      float dkend[kCols], dqd[kCols];  // loaded before use: Note [Batched global loads]
 #pragma unroll
       for (int b = 0; b < kCols; ++b) {
         const int c = tc + kColThreads * b;
-        dkend[b] = grad_kend ? grad_kend[i * DK + c] : 0.0f;
-        dqd[b] = grad_qd ? grad_qd[i * DK + c] : 0.0f;
+        dkend[b] = grad_kend && real ? grad_kend[i * DK + c] : 0.0f;
+        dqd[b] = grad_qd && real ? grad_qd[i * DK + c] : 0.0f;
       }
 #pragma unroll
       for (int b = 0; b < kCols; ++b) {
         const int c = tc + kColThreads * b;
+        acc_k[a][b] = acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end;
+        acc_q[a][b] = (acc_q[a][b] + dqd[b] * es[i]) * s.scale;
+      }
+    }
+    if (s.l2_normalize_qk) {
+      // dx = r (dxn - xn <xn, dxn>) (Note [Fused q/k L2 norm]). Row i's columns belong to
+      // the 16 threads with this tr: each adds its kCols products in b order into one
+      // partial per row, then every thread of the row adds the 16 partials in tc order
+      // (the same bits on all 16). xs is free: phase 5's partials were read before the
+      // barrier that ended it.
+      static_assert(2 * kC * kColThreads <= kC * (kSlab + 1), "row dots fit the slab buffer");
+      float* dots = xs;  // [2][C][16]: q's partials, then k's
+      const TQK* q = static_cast<const TQK*>(args.q);
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        const bool real = i < place.rows;
+        const long long q_row = key_row(args.q_strides, place, i);
+        float pq = 0.0f, pk = 0.0f;
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          const int c = tc + kColThreads * b;
+          const float xq = real ? load_float(q + q_row + c) * rq[i] : 0.0f;
+          pq = fmaf(xq, acc_q[a][b], pq);
+          pk = fmaf(ks[i * kp + c], acc_k[a][b], pk);
+        }
+        dots[i * kColThreads + tc] = pq;
+        dots[(kC + i) * kColThreads + tc] = pk;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        if (i >= place.rows) continue;
+        const long long q_row = key_row(args.q_strides, place, i);
+        float dot_q = 0.0f, dot_k = 0.0f;
+        for (int t = 0; t < kColThreads; ++t) {
+          dot_q += dots[i * kColThreads + t];
+          dot_k += dots[(kC + i) * kColThreads + t];
+        }
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          const int c = tc + kColThreads * b;
+          const float xq = load_float(q + q_row + c) * rq[i];
+          acc_q[a][b] = rq[i] * fmaf(-xq, dot_q, acc_q[a][b]);
+          acc_k[a][b] = rk[i] * fmaf(-ks[i * kp + c], dot_k, acc_k[a][b]);
+        }
+      }
+    }
+    const bool partials = s.head_group > 1;
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) {
+      const int i = tr + kRowThreads * a;
+      if (i >= place.rows) continue;
+#pragma unroll
+      for (int b = 0; b < kCols; ++b) {
+        const int c = tc + kColThreads * b;
         const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
-        store_float(static_cast<TIn*>(args.dk) + at,
-                    acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end);
-        store_float(static_cast<TIn*>(args.dq) + at, (acc_q[a][b] + dqd[b] * es[i]) * s.scale);
+        store_qk_grad<TQK>(args.dk, partials, at, acc_k[a][b]);
+        store_qk_grad<TQK>(args.dq, partials, at, acc_q[a][b]);
       }
     }
   }
@@ -666,7 +804,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     const int i = e / dv, c = e % dv;
     if (i < place.rows) {
       store_float(
-          static_cast<TIn*>(args.dv) + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c,
+          static_cast<TV*>(args.dv) + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c,
           bs[i] * rs[i * rp + c]);
     }
   }

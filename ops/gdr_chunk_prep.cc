@@ -22,20 +22,27 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
               ": q, k, v, g and beta must all be defined");
-  TORCH_CHECK(q.dim() == 4 && q.size(1) > 0 && q.size(3) > 0, op,
-              ": expected q of shape [B, T, H, dk] with T, dk > 0 but got ", q.sizes());
+  TORCH_CHECK(q.dim() == 4 && q.size(1) > 0 && q.size(2) > 0 && q.size(3) > 0, op,
+              ": expected q of shape [B, T, Hk, dk] with T, Hk, dk > 0 but got ", q.sizes());
   TORCH_CHECK(k.sizes() == q.sizes(), op, ": expected k of shape ", q.sizes(),
               " (same as q) but got ", k.sizes());
-  TORCH_CHECK(v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3) && v.size(3) > 0, op,
-              ": expected v of shape [", q.size(0), ", ", q.size(1), ", ", q.size(2),
-              ", dv] (B, T, H of q) but got ", v.sizes());
-  const at::IntArrayRef bth = q.sizes().slice(0, 3);
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) > 0 &&
+                  v.size(3) > 0,
+              op, ": expected v of shape [", q.size(0), ", ", q.size(1),
+              ", H, dv] (B, T of q) but got ", v.sizes());
+  TORCH_CHECK(
+      v.size(2) % q.size(2) == 0, op,
+      ": expected v's head count H to be a multiple of q and k's head count Hk but got H = ",
+      v.size(2), ", Hk = ", q.size(2));
+  const at::IntArrayRef bth = v.sizes().slice(0, 3);
   TORCH_CHECK(g.sizes() == bth, op, ": expected g of shape ", bth, " but got ", g.sizes());
   TORCH_CHECK(beta.sizes() == bth, op, ": expected beta of shape ", bth, " but got ", beta.sizes());
-  TORCH_CHECK(is_float_dtype(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type(),
-              op, ": expected q, k, v of one floating dtype but got ", q.scalar_type(), ", ",
-              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(is_float_dtype(q.scalar_type()) && k.scalar_type() == q.scalar_type(), op,
+              ": expected q and k of one floating dtype but got ", q.scalar_type(), " and ",
+              k.scalar_type());
+  TORCH_CHECK(is_float_dtype(v.scalar_type()), op,
+              ": expected v of a floating dtype (Float, BFloat16, Half, Double) but got ",
+              v.scalar_type());
   for (const at::Tensor* t : {&g, &beta}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble, op,
                 ": expected g and beta of dtype Float or Double but got ", t->scalar_type());
@@ -47,10 +54,12 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(chunk_size > 0, op, ": expected chunk_size > 0 but got ", chunk_size);
 }
 
-at::ScalarType compute_dtype(const at::Tensor& q, const at::Tensor& g, const at::Tensor& beta) {
-  const bool f64 = q.scalar_type() == at::kDouble || g.scalar_type() == at::kDouble ||
-                   beta.scalar_type() == at::kDouble;
-  return f64 ? at::kDouble : at::kFloat;
+at::ScalarType compute_dtype(const at::Tensor& q, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta) {
+  for (const at::Tensor* t : {&q, &v, &g, &beta}) {
+    if (t->scalar_type() == at::kDouble) return at::kDouble;
+  }
+  return at::kFloat;
 }
 
 bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -62,9 +71,27 @@ struct Dims {
   int64_t B, T, H, N, C, dk, dv;
 };
 
+// H: value heads (q and k as the CPU loops read them are chunk_prep_qk's, repeated).
 Dims dims_of(const at::Tensor& q, const at::Tensor& v, int64_t C) {
   const int64_t T = q.size(1);
-  return {q.size(0), T, q.size(2), (T + C - 1) / C, C, q.size(3), v.size(3)};
+  return {q.size(0), T, v.size(2), (T + C - 1) / C, C, q.size(3), v.size(3)};
+}
+
+// The backward of chunk_prep_qk for x = q or k: dxn [B, T, H, dk] (contiguous, compute
+// dtype) is the gradient of the rows the steps used; returns dx in x's shape and dtype.
+// The value heads of a key head are summed first (repeat_interleave's backward), then
+// the L2 norm's backward dx = r (dxn - xn <xn, dxn>) (Note [Chunk prep backward]).
+at::Tensor qk_backward_composite(const at::Tensor& dxn, const at::Tensor& x, bool l2_normalize) {
+  const int64_t B = x.size(0), T = x.size(1), Hk = x.size(2), dk = x.size(3);
+  const int64_t group = dxn.size(2) / Hk;
+  at::Tensor d = group > 1 ? dxn.view({B, T, Hk, group, dk}).sum(3) : dxn;
+  if (l2_normalize) {
+    const at::Tensor xf = x.to(dxn.scalar_type());
+    const at::Tensor r = (xf.pow(2).sum(-1, /*keepdim=*/true) + kQkL2NormEps).rsqrt();
+    const at::Tensor xn = xf * r;
+    d = r * (d - xn * (xn * d).sum(-1, /*keepdim=*/true));
+  }
+  return d.to(x.scalar_type());
 }
 
 // One chunk's inputs gathered into row-major [C][d] arrays, zero past the sequence end,
@@ -165,9 +192,9 @@ void forward_cpu_kernel(const Dims& d, double scale, const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, double scale,
-                       int64_t chunk_size) {
+                       int64_t chunk_size, bool l2_normalize_qk) {
   check_inputs("chunk_prep", q, k, v, g, beta, chunk_size);
-  const at::ScalarType ct = compute_dtype(q, g, beta);
+  const at::ScalarType ct = compute_dtype(q, v, g, beta);
   const Dims d = dims_of(q, v, chunk_size);
   const auto options = q.options().dtype(ct);
   at::Tensor u = at::empty({d.B, d.H, d.N, d.C, d.dv}, options);
@@ -175,9 +202,9 @@ chunk_prep_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor qd = at::empty_like(w), kend = at::empty_like(w);
   at::Tensor p = at::empty({d.B, d.H, d.N, d.C, d.C}, options);
   at::Tensor g_last = at::empty({d.B, d.H, d.N}, options);
-  const at::Tensor qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(),
-                   vc = v.to(ct).contiguous(), gc = g.to(ct).contiguous(),
-                   bc = beta.to(ct).contiguous();
+  const auto [qe, ke] = chunk_prep_qk(q, k, d.H, l2_normalize_qk, ct);
+  const at::Tensor qc = qe.contiguous(), kc = ke.contiguous(), vc = v.to(ct).contiguous(),
+                   gc = g.to(ct).contiguous(), bc = beta.to(ct).contiguous();
   if (ct == at::kDouble) {
     forward_cpu_kernel<double>(d, scale, qc, kc, vc, gc, bc, u, w, qd, p, kend, g_last);
   } else {
@@ -297,9 +324,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
     const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
-    int64_t chunk_size) {
+    int64_t chunk_size, bool l2_normalize_qk) {
   check_inputs("chunk_prep_backward", q, k, v, g, beta, chunk_size);
-  const at::ScalarType ct = compute_dtype(q, g, beta);
+  const at::ScalarType ct = compute_dtype(q, v, g, beta);
   const Dims d = dims_of(q, v, chunk_size);
   const auto options = q.options().dtype(ct);
   const std::vector<int64_t> chunk_v = {d.B, d.H, d.N, d.C, d.dv},
@@ -314,11 +341,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
   const at::Tensor dP = grad_or_zeros(grad_p, {d.B, d.H, d.N, d.C, d.C}, options);
   const at::Tensor dKend = grad_or_zeros(grad_kend, chunk_k, options);
   const at::Tensor dGl = grad_or_zeros(grad_g_last, {d.B, d.H, d.N}, options);
-  const at::Tensor qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(),
-                   vc = v.to(ct).contiguous(), gc = g.to(ct).contiguous(),
-                   bc = beta.to(ct).contiguous(), uc = u.to(ct).contiguous(),
-                   wc = w.to(ct).contiguous();
-  at::Tensor dq = at::empty(q.sizes(), options), dk = at::empty(k.sizes(), options);
+  const auto [qe, ke] = chunk_prep_qk(q, k, d.H, l2_normalize_qk, ct);
+  const at::Tensor qc = qe.contiguous(), kc = ke.contiguous(), vc = v.to(ct).contiguous(),
+                   gc = g.to(ct).contiguous(), bc = beta.to(ct).contiguous(),
+                   uc = u.to(ct).contiguous(), wc = w.to(ct).contiguous();
+  // dq, dk of the rows the steps use ([B, T, H, dk]); qk_backward_composite maps them back.
+  at::Tensor dq = at::empty(qc.sizes(), options), dk = at::empty(kc.sizes(), options);
   at::Tensor dv = at::empty(v.sizes(), options), dg = at::empty(g.sizes(), options);
   at::Tensor dbeta = at::empty(beta.sizes(), options);
   if (ct == at::kDouble) {
@@ -328,7 +356,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
     backward_cpu_kernel<float>(d, scale, qc, kc, vc, gc, bc, uc, wc, dU, dW, dQd, dP, dKend, dGl,
                                dq, dk, dv, dg, dbeta);
   }
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()),
+  return {qk_backward_composite(dq, q, l2_normalize_qk),
+          qk_backward_composite(dk, k, l2_normalize_qk), dv.to(v.scalar_type()),
           dg.to(g.scalar_type()), dbeta.to(beta.scalar_type())};
 }
 
@@ -338,13 +367,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
 using ForwardSignature =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-        const at::Tensor&, double, int64_t);
+        const at::Tensor&, double, int64_t, bool);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, double, int64_t);
+    const at::Tensor&, double, int64_t, bool);
 
 const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -366,14 +395,16 @@ class ChunkPrepFunction : public torch::autograd::Function<ChunkPrepFunction> {
                                                 const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& g,
                                                 const at::Tensor& beta, double scale,
-                                                int64_t chunk_size) {
+                                                int64_t chunk_size, bool l2_normalize_qk) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [u, w, qd, p, kend, g_last] = forward_op().call(q, k, v, g, beta, scale, chunk_size);
+    auto [u, w, qd, p, kend, g_last] =
+        forward_op().call(q, k, v, g, beta, scale, chunk_size, l2_normalize_qk);
     // u and w are saved rather than recomputed in the backward: the backward needs X =
     // [U | W] for dM, and the state pass keeps w alive anyway.
     ctx->save_for_backward({q, k, v, g, beta, u, w});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["chunk_size"] = chunk_size;
+    ctx->saved_data["l2_normalize_qk"] = l2_normalize_qk;
     ctx->set_materialize_grads(false);
     return {u, w, qd, p, kend, g_last};
   }
@@ -388,43 +419,66 @@ class ChunkPrepFunction : public torch::autograd::Function<ChunkPrepFunction> {
     auto [dq, dk, dv, dg, dbeta] = backward_op().call(
         opt[0], opt[1], opt[2], opt[3], opt[4], opt[5], saved[0], saved[1], saved[2], saved[3],
         saved[4], saved[5], saved[6], ctx->saved_data["scale"].toDouble(),
-        ctx->saved_data["chunk_size"].toInt());
-    return {dq, dk, dv, dg, dbeta, at::Tensor(), at::Tensor()};
+        ctx->saved_data["chunk_size"].toInt(), ctx->saved_data["l2_normalize_qk"].toBool());
+    return {dq, dk, dv, dg, dbeta, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size) {
-  auto out = ChunkPrepFunction::apply(q, k, v, g, beta, scale, chunk_size);
+                    const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size,
+                    bool l2_normalize_qk) {
+  auto out = ChunkPrepFunction::apply(q, k, v, g, beta, scale, chunk_size, l2_normalize_qk);
   return {out[0], out[1], out[2], out[3], out[4], out[5]};
 }
 
 // ---------------------------------------------------------------------------
 // The kernel-based implementation (the CUDA op's; see the header)
 
-void check_kernel_inputs(const char* op, const at::Tensor& q, const at::Tensor& g,
-                         const at::Tensor& beta, int64_t chunk_size, int64_t dk, int64_t dv) {
-  TORCH_CHECK(q.scalar_type() != at::kDouble, op,
+void check_kernel_inputs(const char* op, const at::Tensor& q, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size) {
+  TORCH_CHECK(q.scalar_type() != at::kDouble && v.scalar_type() != at::kDouble, op,
               ": the CUDA implementation expects q, k, v of dtype Float, BFloat16 or Half but "
-              "got Double");
+              "got q, k ",
+              q.scalar_type(), " and v ", v.scalar_type());
   TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat, op,
               ": the CUDA implementation expects g and beta of dtype Float but got ",
               g.scalar_type(), " and ", beta.scalar_type());
   TORCH_CHECK(chunk_size == kernels::kChunkPrepChunk, op,
               ": the CUDA implementation expects chunks of ", kernels::kChunkPrepChunk,
               " rows but got chunk_size = ", chunk_size);
+  const int64_t dk = q.size(3), dv = v.size(3);
   TORCH_CHECK(kernels::chunk_prep_supports(dk, dv), op,
               ": the CUDA implementation expects dk in {64, 128} and dv a multiple of 16 within "
               "the shared-memory limit (dv <= 208 at dk = 128) but got dk = ",
               dk, ", dv = ", dv);
 }
 
-// q, k, v as the kernel reads them: Float or BFloat16 (Half goes through Float) with unit
+// One input as the kernels read it: Float or BFloat16 (Half goes through Float) with unit
 // stride in the head dim; any other strides are passed to the kernel, so views need no copy.
 at::Tensor kernel_operand(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return t.to(at::kFloat).contiguous();
   return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous();
+}
+
+kernels::ChunkPrepInput kernel_input(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? kernels::ChunkPrepInput::kBFloat16
+                                          : kernels::ChunkPrepInput::kFloat;
+}
+
+struct KernelOperands {
+  at::Tensor q, k, v;
+};
+
+// q, k, v as the kernels read them. The kernels are built for the type pairs of
+// kernels::chunk_prep_supports_inputs; Float q, k with BFloat16 v (no caller of ours) runs
+// on a Float copy of v.
+KernelOperands kernel_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  KernelOperands x{kernel_operand(q), kernel_operand(k), kernel_operand(v)};
+  if (!kernels::chunk_prep_supports_inputs(kernel_input(x.q), kernel_input(x.v))) {
+    x.v = x.v.to(at::kFloat);
+  }
+  return x;
 }
 
 kernels::TokenStrides token_strides(const at::Tensor& t) {
@@ -432,32 +486,33 @@ kernels::TokenStrides token_strides(const at::Tensor& t) {
 }
 
 template <typename Args>
-void set_inputs(Args& args, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const at::Tensor& g, const at::Tensor& beta) {
-  args.q = q.data_ptr();
-  args.k = k.data_ptr();
-  args.v = v.data_ptr();
+void set_inputs(Args& args, const KernelOperands& x, const at::Tensor& g, const at::Tensor& beta) {
+  args.q = x.q.data_ptr();
+  args.k = x.k.data_ptr();
+  args.v = x.v.data_ptr();
   args.g = g.data_ptr<float>();
   args.beta = beta.data_ptr<float>();
-  args.q_strides = token_strides(q);
-  args.k_strides = token_strides(k);
-  args.v_strides = token_strides(v);
+  args.q_strides = token_strides(x.q);
+  args.k_strides = token_strides(x.k);
+  args.v_strides = token_strides(x.v);
   args.g_strides = token_strides(g);
   args.beta_strides = token_strides(beta);
 }
 
-kernels::ChunkPrepShape kernel_shape(const at::Tensor& q, const at::Tensor& v, double scale,
-                                     int64_t chunk_size) {
+kernels::ChunkPrepShape kernel_shape(const KernelOperands& x, double scale, int64_t chunk_size,
+                                     bool l2_normalize_qk) {
   kernels::ChunkPrepShape s;
-  s.batch = q.size(0);
-  s.tokens = q.size(1);
-  s.heads = q.size(2);
+  s.batch = x.q.size(0);
+  s.tokens = x.q.size(1);
+  s.heads = x.v.size(2);
   s.chunks = (s.tokens + chunk_size - 1) / chunk_size;
-  s.dk = static_cast<int>(q.size(3));
-  s.dv = static_cast<int>(v.size(3));
+  s.head_group = x.v.size(2) / x.q.size(2);
+  s.dk = static_cast<int>(x.q.size(3));
+  s.dv = static_cast<int>(x.v.size(3));
   s.scale = static_cast<float>(scale);
-  s.input = q.scalar_type() == at::kBFloat16 ? kernels::ChunkPrepInput::kBFloat16
-                                             : kernels::ChunkPrepInput::kFloat;
+  s.l2_normalize_qk = l2_normalize_qk;
+  s.qk_input = kernel_input(x.q);
+  s.v_input = kernel_input(x.v);
   return s;
 }
 
@@ -465,29 +520,64 @@ const float* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<float>() : nullptr;
 }
 
+// Note [Head group gradient sum]
+// With H = G Hk value heads, the G value heads of one key head are G different blocks of
+// the backward kernel, so none of them can add up the key head's dq, dk. Each writes its
+// own FP32 row instead (partials [B, T, H, dk], every slot written once, no atomics), and
+// here every key head's rows are summed in value-head order, ((p_0 + p_1) + p_2) + ...,
+// by G - 1 elementwise adds on the current stream: each output element is one thread's
+// fixed sequence of FP32 adds, the same bits on every run whatever the launch shapes, and
+// the result is cast once to q's dtype (a BF16 q gets one rounding, as through autograd's
+// FP32 repeat_interleave backward).
+at::Tensor sum_head_groups(const at::Tensor& partials, int64_t key_heads, at::ScalarType dtype) {
+  const int64_t B = partials.size(0), T = partials.size(1), H = partials.size(2),
+                dk = partials.size(3), group = H / key_heads;
+  const at::Tensor p = partials.view({B, T, key_heads, group, dk});
+  at::Tensor sum = p.select(3, 0).contiguous();
+  for (int64_t j = 1; j < group; ++j) sum.add_(p.select(3, j));
+  return sum.to(dtype);
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> chunk_prep_qk(const at::Tensor& q, const at::Tensor& k,
+                                                 int64_t value_heads, bool l2_normalize,
+                                                 at::ScalarType dtype) {
+  TORCH_CHECK(
+      q.dim() == 4 && k.sizes() == q.sizes() && q.size(2) > 0 && value_heads % q.size(2) == 0,
+      "chunk_prep_qk: expected q and k of one shape [B, T, Hk, dk] with value_heads = ",
+      value_heads, " a multiple of Hk but got q ", q.sizes(), " and k ", k.sizes());
+  const int64_t group = value_heads / q.size(2);
+  auto rows = [&](const at::Tensor& x) {
+    at::Tensor y = x.to(dtype);
+    if (l2_normalize) y = y * (y.pow(2).sum(-1, /*keepdim=*/true) + kQkL2NormEps).rsqrt();
+    // Value head h reads key head h / group.
+    return group > 1 ? y.repeat_interleave(group, /*dim=*/2) : y;
+  };
+  return {rows(q), rows(k)};
+}
 
 namespace chunk_prep_internal {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 forward_via_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size,
-                   const ForwardLauncher& launch) {
+                   bool l2_normalize_qk, const ForwardLauncher& launch) {
   constexpr const char* op = "chunk_prep";
   check_inputs(op, q, k, v, g, beta, chunk_size);
-  const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
-  check_kernel_inputs(op, q, g, beta, chunk_size, dk, dv);
-  const at::Tensor qc = kernel_operand(q), kc = kernel_operand(k), vc = kernel_operand(v);
+  check_kernel_inputs(op, q, v, g, beta, chunk_size);
+  const KernelOperands x = kernel_operands(q, k, v);
   kernels::ChunkPrepForwardArgs args;
-  args.shape = kernel_shape(qc, vc, scale, chunk_size);
-  const int64_t N = args.shape.chunks, C = chunk_size;
+  args.shape = kernel_shape(x, scale, chunk_size, l2_normalize_qk);
+  const int64_t B = args.shape.batch, H = args.shape.heads, N = args.shape.chunks;
+  const int64_t C = chunk_size, dk = args.shape.dk, dv = args.shape.dv;
   const auto options = q.options().dtype(at::kFloat);
   at::Tensor u = at::empty({B, H, N, C, dv}, options);
   at::Tensor w = at::empty({B, H, N, C, dk}, options);
   at::Tensor qd = at::empty_like(w), kend = at::empty_like(w);
   at::Tensor p = at::empty({B, H, N, C, C}, options);
   at::Tensor g_last = at::empty({B, H, N}, options);
-  set_inputs(args, qc, kc, vc, g, beta);
+  set_inputs(args, x, g, beta);
   args.u = u.data_ptr<float>();
   args.w = w.data_ptr<float>();
   args.qd = qd.data_ptr<float>();
@@ -504,15 +594,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
-    int64_t chunk_size, const BackwardLauncher& launch) {
+    int64_t chunk_size, bool l2_normalize_qk, const BackwardLauncher& launch) {
   constexpr const char* op = "chunk_prep_backward";
   check_inputs(op, q, k, v, g, beta, chunk_size);
-  const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
-  check_kernel_inputs(op, q, g, beta, chunk_size, dk, dv);
-  const at::Tensor qc = kernel_operand(q), kc = kernel_operand(k), vc = kernel_operand(v);
+  check_kernel_inputs(op, q, v, g, beta, chunk_size);
+  const KernelOperands x = kernel_operands(q, k, v);
   kernels::ChunkPrepBackwardArgs args;
-  args.shape = kernel_shape(qc, vc, scale, chunk_size);
-  const int64_t N = args.shape.chunks, C = chunk_size;
+  args.shape = kernel_shape(x, scale, chunk_size, l2_normalize_qk);
+  const int64_t B = args.shape.batch, T = args.shape.tokens, H = args.shape.heads;
+  const int64_t N = args.shape.chunks, C = chunk_size, dk = args.shape.dk, dv = args.shape.dv;
   auto check_chunk = [&](const at::Tensor& t, const char* name,
                          std::vector<int64_t> sizes) -> at::Tensor {
     TORCH_CHECK(t.sizes() == at::IntArrayRef(sizes), op, ": expected ", name, " of shape ",
@@ -534,12 +624,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   const at::Tensor dp = grad(grad_p, "grad_p", {B, H, N, C, C});
   const at::Tensor dkend = grad(grad_kend, "grad_kend", {B, H, N, C, dk});
   const at::Tensor dgl = grad(grad_g_last, "grad_g_last", {B, H, N});
-  // dq, dk, dv come out of the kernel in the operands' type (no cast pass); dg, dbeta FP32.
-  const auto options = q.options().dtype(at::kFloat), qkv_options = qc.options();
-  at::Tensor dq = at::empty(q.sizes(), qkv_options), dkk = at::empty(k.sizes(), qkv_options);
-  at::Tensor dvv = at::empty(v.sizes(), qkv_options), dg = at::empty(g.sizes(), options);
+  // dq, dk, dv come out of the kernel in the operands' types (no cast pass) when every value
+  // head has its own key head; otherwise dq, dk are FP32 partials per value head (Note
+  // [Head group gradient sum]). dg, dbeta FP32.
+  const bool partials = args.shape.head_group > 1;
+  const auto options = q.options().dtype(at::kFloat);
+  const auto qk_options = partials ? options : x.q.options();
+  at::Tensor dq = at::empty({B, T, H, dk}, qk_options), dkk = at::empty({B, T, H, dk}, qk_options);
+  at::Tensor dvv = at::empty(v.sizes(), x.v.options()), dg = at::empty(g.sizes(), options);
   at::Tensor dbeta = at::empty(beta.sizes(), options);
-  set_inputs(args, qc, kc, vc, g, beta);
+  set_inputs(args, x, g, beta);
   args.u = uc.data_ptr<float>();
   args.w = wc.data_ptr<float>();
   args.grad_u = data_or_null(du);
@@ -554,7 +648,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   args.dg = dg.data_ptr<float>();
   args.dbeta = dbeta.data_ptr<float>();
   launch(args);
-  // A no-op except for Half inputs (computed through Float).
+  if (partials) {
+    dq = sum_head_groups(dq, q.size(2), q.scalar_type());
+    dkk = sum_head_groups(dkk, k.size(2), k.scalar_type());
+  }
+  // The casts are no-ops except for Half inputs and Float q, k with BFloat16 v (computed
+  // through Float).
   return {dq.to(q.scalar_type()), dkk.to(k.scalar_type()), dvv.to(v.scalar_type()), dg, dbeta};
 }
 
@@ -563,12 +662,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
 TORCH_LIBRARY_FRAGMENT(gdr, m) {
   m.def(
       "chunk_prep(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, int "
-      "chunk_size) -> (Tensor u, Tensor w, Tensor qd, Tensor p, Tensor kend, Tensor g_last)");
+      "chunk_size, bool l2_normalize_qk) -> (Tensor u, Tensor w, Tensor qd, Tensor p, Tensor "
+      "kend, Tensor g_last)");
   m.def(
       "chunk_prep_backward(Tensor? grad_u, Tensor? grad_w, Tensor? grad_qd, Tensor? grad_p, "
       "Tensor? grad_kend, Tensor? grad_g_last, Tensor q, Tensor k, Tensor v, Tensor g, Tensor "
-      "beta, Tensor u, Tensor w, float scale, int chunk_size) -> (Tensor dq, Tensor dk, Tensor "
-      "dv, Tensor dg, Tensor dbeta)");
+      "beta, Tensor u, Tensor w, float scale, int chunk_size, bool l2_normalize_qk) -> (Tensor "
+      "dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta)");
 }
 
 TORCH_LIBRARY_IMPL(gdr, CPU, m) {
@@ -580,8 +680,8 @@ TORCH_LIBRARY_IMPL(gdr, Autograd, m) { m.impl("chunk_prep", &chunk_prep_autograd
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_prep(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-    const at::Tensor& beta, double scale, int64_t chunk_size) {
-  return forward_op().call(q, k, v, g, beta, scale, chunk_size);
+    const at::Tensor& beta, double scale, int64_t chunk_size, bool l2_normalize_qk) {
+  return forward_op().call(q, k, v, g, beta, scale, chunk_size, l2_normalize_qk);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_prep_backward(
@@ -590,9 +690,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
     const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
-    int64_t chunk_size) {
+    int64_t chunk_size, bool l2_normalize_qk) {
   return backward_op().call(grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g,
-                            beta, u, w, scale, chunk_size);
+                            beta, u, w, scale, chunk_size, l2_normalize_qk);
 }
 
 bool chunk_prep_has_cuda_kernel() {

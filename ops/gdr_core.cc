@@ -48,14 +48,18 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   const std::optional<at::Tensor>& initial_state) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
               ": q, k, v, g and beta must all be defined");
-  TORCH_CHECK(q.dim() == 4, op, ": expected q of shape [B, T, H, dk] but got ", q.sizes());
+  TORCH_CHECK(q.dim() == 4 && q.size(2) > 0, op,
+              ": expected q of shape [B, T, Hk, dk] with Hk > 0 but got ", q.sizes());
   TORCH_CHECK(k.sizes() == q.sizes(), op, ": expected k of shape ", q.sizes(),
               " (same as q) but got ", k.sizes());
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
+              ": expected v of shape [", q.size(0), ", ", q.size(1),
+              ", H, dv] (B, T of q) but got ", v.sizes());
   TORCH_CHECK(
-      v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
-      op, ": expected v of shape [", q.size(0), ", ", q.size(1), ", ", q.size(2),
-      ", dv] (B, T, H of q) but got ", v.sizes());
-  const at::IntArrayRef bth = q.sizes().slice(0, 3);
+      v.size(2) > 0 && v.size(2) % q.size(2) == 0, op,
+      ": expected v's head count H to be a multiple of q and k's head count Hk but got H = ",
+      v.size(2), ", Hk = ", q.size(2));
+  const at::IntArrayRef bth = v.sizes().slice(0, 3);
   TORCH_CHECK(g.sizes() == bth, op, ": expected g of shape ", bth, " but got ", g.sizes());
   TORCH_CHECK(beta.sizes() == bth, op, ": expected beta of shape ", bth, " but got ", beta.sizes());
   TORCH_CHECK(q.size(1) > 0, op, ": expected at least one token but got T = 0");
@@ -66,14 +70,13 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     TORCH_CHECK(t->device() == q.device(), op, ": expected all inputs on ", q.device(),
                 " (q's device) but got one on ", t->device());
   }
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
-              ": expected q, k, v of one dtype but got ", q.scalar_type(), ", ", k.scalar_type(),
-              ", ", v.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": expected q and k of one dtype but got ",
+              q.scalar_type(), " and ", k.scalar_type());
   if (initial_state.has_value() && initial_state->defined()) {
     const at::Tensor& s = *initial_state;
-    TORCH_CHECK(s.dim() == 4 && s.size(0) == q.size(0) && s.size(1) == q.size(2) &&
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == q.size(0) && s.size(1) == v.size(2) &&
                     s.size(2) == q.size(3) && s.size(3) == v.size(3),
-                op, ": expected initial_state of shape [", q.size(0), ", ", q.size(2), ", ",
+                op, ": expected initial_state of shape [", q.size(0), ", ", v.size(2), ", ",
                 q.size(3), ", ", v.size(3), "] ([B, H, dk, dv]) but got ", s.sizes());
     TORCH_CHECK(s.device() == q.device(), op, ": expected initial_state on ", q.device(),
                 " but got ", s.device());
@@ -245,18 +248,20 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule(const at::Tensor& q, const a
                                                     const at::Tensor& v, const at::Tensor& g,
                                                     const at::Tensor& beta, double scale,
                                                     const std::optional<at::Tensor>& initial_state,
-                                                    bool output_final_state) {
-  return gated_delta_rule_chunked(q, k, v, g, beta, scale, initial_state, output_final_state);
+                                                    bool output_final_state, GdrQkNorm qk_norm) {
+  return gated_delta_rule_chunked(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  kGdrChunkSize, qk_norm);
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale, const std::vector<int64_t>& cu_seqlens,
-    const std::optional<at::Tensor>& initial_state, bool output_final_state) {
+    const std::optional<at::Tensor>& initial_state, bool output_final_state, GdrQkNorm qk_norm) {
   const char* op = "gated_delta_rule_varlen";
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1, op,
-              ": expected packed q of shape [1, T, H, dk] but got ", q.sizes());
-  const int64_t T = q.size(1), H = q.size(2), dk = q.size(3);
+              ": expected packed q of shape [1, T, Hk, dk] but got ", q.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": expected packed v of shape [1, T, H, dv] but got ", v.sizes());
+  const int64_t T = q.size(1), H = v.size(2), dk = q.size(3);
   TORCH_CHECK(cu_seqlens.size() >= 2, op,
               ": expected cu_seqlens with at least 2 offsets (one document) but got ",
               cu_seqlens.size());
@@ -291,9 +296,10 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
       }
       continue;
     }
-    auto [o, final_state] = gated_delta_rule(
-        q.narrow(1, start, length), k.narrow(1, start, length), v.narrow(1, start, length),
-        g.narrow(1, start, length), beta.narrow(1, start, length), scale, s0, output_final_state);
+    auto [o, final_state] =
+        gated_delta_rule(q.narrow(1, start, length), k.narrow(1, start, length),
+                         v.narrow(1, start, length), g.narrow(1, start, length),
+                         beta.narrow(1, start, length), scale, s0, output_final_state, qk_norm);
     outputs.push_back(o);
     if (output_final_state) finals.push_back(final_state);
   }
@@ -304,15 +310,16 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-    bool output_final_state) {
+    bool output_final_state, GdrQkNorm qk_norm) {
   check_inputs("gated_delta_rule_recurrent", q, k, v, g, beta, initial_state);
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t B = q.size(0), T = q.size(1), H = v.size(2), dk = q.size(3), dv = v.size(3);
   const auto options = q.options().dtype(compute_dtype(q, k, v, g, beta));
   const at::ScalarType ct = options.dtype().toScalarType();
+  const auto [q_rows, k_rows] = chunk_prep_qk(q, k, H, qk_norm == GdrQkNorm::kL2, ct);
 
   // [B, H, T, d] so that a token is one select along dim 2.
-  const at::Tensor qc = q.to(ct).transpose(1, 2) * scale;
-  const at::Tensor kc = k.to(ct).transpose(1, 2);
+  const at::Tensor qc = q_rows.transpose(1, 2) * scale;
+  const at::Tensor kc = k_rows.transpose(1, 2);
   const at::Tensor vc = v.to(ct).transpose(1, 2);
   const at::Tensor gc = g.to(ct).transpose(1, 2);
   const at::Tensor bc = beta.to(ct).transpose(1, 2);
@@ -338,11 +345,11 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& g, const at::Tensor& beta, double scale,
-                     int64_t chunk_size) {
+                     const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size,
+                     GdrQkNorm qk_norm) {
   check_inputs("chunk_prep_composite", q, k, v, g, beta, std::nullopt);
   TORCH_CHECK(chunk_size > 0, "chunk_prep_composite: expected chunk_size > 0 but got ", chunk_size);
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t B = q.size(0), T = q.size(1), H = v.size(2), dk = q.size(3), dv = v.size(3);
   const int64_t C = chunk_size;
   const int64_t N = (T + C - 1) / C;
   const int64_t pad = N * C - T;
@@ -361,8 +368,9 @@ chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     if (pad > 0) y = at::constant_pad_nd(y, {0, pad}, 0.0);
     return y.reshape({B, H, N, C});
   };
-  const at::Tensor Q = to_chunks(q) * scale;
-  const at::Tensor K = to_chunks(k);
+  const auto [q_rows, k_rows] = chunk_prep_qk(q, k, H, qk_norm == GdrQkNorm::kL2, ct);
+  const at::Tensor Q = to_chunks(q_rows) * scale;
+  const at::Tensor K = to_chunks(k_rows);
   const at::Tensor V = to_chunks(v);
   const at::Tensor beta_c = scalars_to_chunks(beta).unsqueeze(-1);  // [B, H, N, C, 1]
 
@@ -400,11 +408,12 @@ chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-    bool output_final_state, int64_t chunk_size) {
+    bool output_final_state, int64_t chunk_size, GdrQkNorm qk_norm) {
   check_inputs("gated_delta_rule_chunked", q, k, v, g, beta, initial_state);
   TORCH_CHECK(chunk_size > 0, "gated_delta_rule_chunked: expected chunk_size > 0 but got ",
               chunk_size);
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t B = q.size(0), T = q.size(1), H = v.size(2), dk = q.size(3), dv = v.size(3);
+  const bool l2 = qk_norm == GdrQkNorm::kL2;
   const int64_t C = chunk_size;
   const int64_t N = (T + C - 1) / C;
   const auto options = q.options().dtype(compute_dtype(q, k, v, g, beta));
@@ -414,11 +423,11 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
   at::Tensor U, W, Q_decayed, P, K_to_end, G_last;  // G_last: [B, H, N]
   if (use_chunk_prep_kernel(q, ct, C, dk, dv)) {
     g_last_prep.store(static_cast<int>(GdrCorePrep::kKernel));
-    std::tie(U, W, Q_decayed, P, K_to_end, G_last) = chunk_prep(q, k, v, g, beta, scale, C);
+    std::tie(U, W, Q_decayed, P, K_to_end, G_last) = chunk_prep(q, k, v, g, beta, scale, C, l2);
   } else {
     g_last_prep.store(static_cast<int>(GdrCorePrep::kAten));
     std::tie(U, W, Q_decayed, P, K_to_end, G_last) =
-        chunk_prep_composite(q, k, v, g, beta, scale, C);
+        chunk_prep_composite(q, k, v, g, beta, scale, C, qk_norm);
   }
 
   // Step 7: the only sequential part, one [dk, dv] state per (batch, head).

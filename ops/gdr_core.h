@@ -5,16 +5,25 @@
 //   S = exp(g_t) * S;  u = beta_t * (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T (scale * q_t)
 //
 // Contract shared by every entry point below:
-//   q, k:          [B, T, H, dk]   FP32 / BF16 / FP16 / FP64, same dtype as v.
-//   v:             [B, T, H, dv]
+//   q, k:          [B, T, Hk, dk]  FP32 / BF16 / FP16 / FP64, one dtype (any strides).
+//   v:             [B, T, H, dv]   FP32 / BF16 / FP16 / FP64 (may differ from q's dtype);
+//                                  H (= Hv) a multiple of Hk.
 //   g (log decay): [B, T, H]       FP32 (or FP64), g <= 0 in practice.
 //   beta:          [B, T, H]       FP32 (or FP64).
 //   initial_state: [B, H, dk, dv]  any floating dtype; absent means zeros.
-// All heads are already expanded to H = Hv (the caller repeats k/q heads when Hv > Hk).
-// q and k must already be L2-normalised by the caller (the model does it in FP32 with
-// eps 1e-6); the core only multiplies q by `scale` (the model passes dk^-1/2). Keeping the
-// normalisation outside keeps the core a pure function of its spec; a fused CUDA kernel
-// may later take it in behind the same entry point.
+//   qk_norm:       GdrQkNorm::kNone (default) or kL2.
+// Value head h reads key head h / (H / Hk) of q and k, the mapping of repeat_interleave
+// (the caller never materialises repeated q / k; Hk = H is the plain case). With
+// qk_norm = kL2 the core L2-normalises every row of q and k first, x * rsqrt(sum(x^2) +
+// 1e-6) in the compute dtype (the model's q / k norm; HF's use_qk_l2norm_in_kernel), so
+// callers hand over the raw conv outputs; with kNone q and k must already be normalised
+// (or are whatever the caller wants). Either way the core then multiplies q by `scale`
+// (the model passes dk^-1/2). The definition of both, in ATen, is chunk_prep_qk
+// (ops/gdr_chunk_prep.h): the CPU, FP64 and composite paths run it, and the CUDA prep
+// kernel reproduces it on load, reading the raw (e.g. BF16, strided) q / k in place, and
+// returns dq / dk in q's dtype and shape (Note [Fused q/k L2 norm] in
+// kernels/gdr_chunk_prep_kernel.cuh). Gradients flowing back to q / k are those of the
+// raw inputs: through the norm and summed over the value heads of each key head.
 //
 // Returns (o, final_state): o is [B, T, H, dv] in v's dtype; final_state is [B, H, dk, dv]
 // in the compute dtype when output_final_state is true, an undefined tensor otherwise.
@@ -43,6 +52,9 @@ namespace gdr {
 
 // Chunk length of the chunked algorithm (C in the spec).
 constexpr int64_t kGdrChunkSize = 64;
+
+// What the core does to q and k before the gated delta rule (see the contract above).
+enum class GdrQkNorm { kNone, kL2 };
 
 // Which implementation runs step 7 of gated_delta_rule_chunked on CUDA. kKernel (the
 // default) is the chunk_state_pass op; kComposite is the per-chunk ATen loop (the CPU
@@ -89,24 +101,28 @@ GdrCorePrep gdr_core_last_prep();
 // unchanged while it is off.
 void set_gdr_core_prep_op_on_cpu_for_testing(bool enabled);
 
-// Steps 1-6 of the chunked form as ATen ops (differentiated by autograd): returns
+// Steps 1-6 of the chunked form as ATen ops (differentiated by autograd), q and k first
+// through chunk_prep_qk (the L2 norm when qk_norm says so, the head repeat): returns
 // (U, W, Q_decayed, P, K_to_end, G_last) with the shapes and meaning of chunk_prep's
 // outputs (ops/gdr_chunk_prep.h), in the compute dtype; U and W may be views.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size);
+                     const at::Tensor& g, const at::Tensor& beta, double scale, int64_t chunk_size,
+                     GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
 // The one entry point models call: gated_delta_rule_chunked, whose steps run as CUDA
 // kernels on CUDA where the switches above say so and as ATen ops elsewhere.
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
+    GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
 // Packed variable-length sequences (as FLA's cu_seqlens): q, k, v, g, beta hold N
 // documents back to back along T (B must be 1); document i is tokens
 // cu_seqlens[i] .. cu_seqlens[i+1]-1 and starts from initial_state[i] (zeros when absent),
-// so no state crosses a document boundary. cu_seqlens: N + 1 non-decreasing offsets from
+// so no state crosses a document boundary (the L2 norm of qk_norm is per token, so it
+// does not either). cu_seqlens: N + 1 non-decreasing offsets from
 // 0 to T (empty documents allowed). initial_state: [N, H, dk, dv]. Returns o [1, T, H, dv]
 // and, with output_final_state, [N, H, dk, dv] (an empty document's final state is its
 // initial state). Each document runs through gated_delta_rule, so the result equals
@@ -115,7 +131,8 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule(
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale, const std::vector<int64_t>& cu_seqlens,
-    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
+    GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
 // The chunked (WY / UT-transform) algorithm of the spec, the training path. T is padded to
 // a multiple of chunk_size internally; `chunk_size` other than kGdrChunkSize is only for
@@ -124,13 +141,14 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale,
     const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
-    int64_t chunk_size = kGdrChunkSize);
+    int64_t chunk_size = kGdrChunkSize, GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
 // Token-by-token recurrence, the simple reference the chunked form is tested against.
 // O(T) sequential steps: slow, for tests and debugging.
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false);
+    const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
+    GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
 }  // namespace gdr

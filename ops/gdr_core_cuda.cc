@@ -61,7 +61,9 @@ chunk_state_backward_cuda(const std::optional<at::Tensor>& grad_o,
 
 // The chunk prep (steps 1-6): one kernel each way on the current stream; everything else
 // in chunk_prep_internal::forward_via_kernel / backward_via_kernel is allocation and
-// layout checks (plus casts for Half inputs only: BF16 is read and written in-kernel).
+// layout checks (plus casts for Half inputs only: BF16 is read and written in-kernel),
+// and, when several value heads share a key head, the ordered sum of the dq / dk partials
+// (Note [Head group gradient sum] in ops/gdr_chunk_prep.cc).
 void check_prep_launch(int error, const char* what) {
   TORCH_CHECK(error == cudaSuccess, "chunk_prep: ", what,
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
@@ -70,10 +72,11 @@ void check_prep_launch(int error, const char* what) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, double scale,
-                        int64_t chunk_size) {
+                        int64_t chunk_size, bool l2_normalize_qk) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   return chunk_prep_internal::forward_via_kernel(
-      q, k, v, g, beta, scale, chunk_size, [](const kernels::ChunkPrepForwardArgs& args) {
+      q, k, v, g, beta, scale, chunk_size, l2_normalize_qk,
+      [](const kernels::ChunkPrepForwardArgs& args) {
         check_prep_launch(
             kernels::launch_chunk_prep_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
             "forward kernel");
@@ -86,11 +89,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
     const std::optional<at::Tensor>& grad_kend, const std::optional<at::Tensor>& grad_g_last,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& u, const at::Tensor& w, double scale,
-    int64_t chunk_size) {
+    int64_t chunk_size, bool l2_normalize_qk) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   return chunk_prep_internal::backward_via_kernel(
       grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g, beta, u, w, scale,
-      chunk_size, [](const kernels::ChunkPrepBackwardArgs& args) {
+      chunk_size, l2_normalize_qk, [](const kernels::ChunkPrepBackwardArgs& args) {
         check_prep_launch(
             kernels::launch_chunk_prep_backward(args, c10::cuda::getCurrentCUDAStream().stream()),
             "backward kernel");

@@ -304,7 +304,8 @@ GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv_in, const at::Tens
   const int64_t key_dim = Hk * dk, value_dim = Hv * dv;
   const int64_t taps = conv_weight.size(-1);
   // From here on, op for op models/qwen/layers.cc GatedDeltaNetImpl::forward with
-  // GDR_CAUSAL_CONV=aten (ops/causal_conv1d.cc: causal_conv1d_silu_composite).
+  // GDR_CAUSAL_CONV=aten (ops/causal_conv1d.cc: causal_conv1d_silu_composite), then the L2
+  // norm and head repeat of the core's chunk_prep_qk (ops/gdr_chunk_prep.h).
   at::Tensor qkv = qkv_in.transpose(1, 2);  // [B, conv_dim, T]
   qkv = at::conv1d(at::constant_pad_nd(qkv, {taps - 1, 0}, 0.0), conv_weight,
                    /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},
@@ -315,7 +316,7 @@ GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv_in, const at::Tens
   at::Tensor k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, Hk, dk});
   const at::ScalarType ct = qkv_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor v = qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, Hv, dv}).to(ct);
-  auto l2_normalize = [&](const at::Tensor& x) {  // layers.cc l2_normalize, eps 1e-6
+  auto l2_normalize = [&](const at::Tensor& x) {  // gdr::chunk_prep_qk's L2 norm, eps 1e-6
     const at::Tensor xf = x.to(ct);
     return xf * (xf.pow(2).sum(-1, /*keepdim=*/true) + 1e-6).rsqrt();
   };

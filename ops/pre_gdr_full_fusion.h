@@ -65,7 +65,8 @@ PreGdrFullFusionGrads pre_gdr_full_fusion_backward(
 
 // The unfused ATen composition of the same path (autograd through ATen ops), op for op
 // what models/qwen/layers.cc GatedDeltaNetImpl::forward runs for pre_gdr_fusion none
-// (fused_gate false) and gate (true) with GDR_CAUSAL_CONV=aten (by default the model runs
+// (fused_gate false) and gate (true) with GDR_CAUSAL_CONV=aten, followed by the L2 norm and
+// head repeat the model leaves to the core (gdr::chunk_prep_qk; by default the model runs
 // the conv + SiLU as ops/causal_conv1d.h's kernel: the same roundings, its own FP32 tap
 // order). NOTE: keep the two in sync. Any device; FP64 inputs stay FP64. The reference of
 // the tests and the benchmark.

@@ -22,9 +22,6 @@
 namespace gdr {
 namespace {
 
-// q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
-constexpr double kQkL2NormEps = 1e-6;
-
 torch::nn::Linear linear_no_bias(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
@@ -65,12 +62,6 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
   const bool kernel = causal_conv_impl() == CausalConvImpl::kKernel;
   if (kernel && causal_conv1d_kernel_supports(x, weight)) return causal_conv1d_silu(x, weight);
   return causal_conv1d_silu_composite(x, weight);
-}
-
-at::Tensor l2_normalize(const at::Tensor& x, double eps) {
-  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor xf = x.to(ct);
-  return xf * (xf.pow(2).sum(-1, /*keepdim=*/true) + eps).rsqrt();
 }
 
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
@@ -149,6 +140,8 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   const int64_t key_dim = num_k_heads_ * k_head_dim_, value_dim = num_v_heads_ * v_head_dim_;
 
   at::Tensor q, k, v, g, beta;
+  // q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
+  GdrQkNorm qk_norm = GdrQkNorm::kL2;
   if (fusion_ == PreGdrFusion::kFull) {
     // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_full_fusion.h).
     TORCH_CHECK(x.is_cuda(),
@@ -159,28 +152,24 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
         in_proj_qkv(x), conv1d->weight, in_proj_a(x), in_proj_b(x), A_log, dt_bias,
         GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
     q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
+    qk_norm = GdrQkNorm::kNone;  // normalised and repeated by the fused op
   } else {
     // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence with
-    // GDR_CAUSAL_CONV=aten (the tests' reference); keep the two in sync.
+    // GDR_CAUSAL_CONV=aten, the L2 norm and the head repeat done there as the core's
+    // chunk_prep_qk does them here (the tests' reference); keep the two in sync.
     // Causal depthwise conv over time + SiLU: [B, T, conv_dim], contiguous from the fused
     // op (so the narrow + reshape of q and k below are views), a transposed view from the
     // composition (they copy).
     const at::Tensor qkv = gdn_causal_conv1d_silu(in_proj_qkv(x), conv1d->weight);
 
+    // The raw key heads in x's dtype: the core normalises them (in FP32, or FP64 for FP64
+    // inputs) and maps each of the Hv/Hk consecutive value heads of a key head to it, on
+    // CUDA inside the prep kernel, which reads these views in place.
     q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
     k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
-    // The core runs in FP32 whatever the activations; giving it FP32 q/k/v (q/k straight
-    // from the FP32 L2 norm) avoids a round trip through 16-bit before it.
+    // The core runs in FP32 whatever the activations; an FP32 v saves it a cast.
     const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     v = qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
-    q = l2_normalize(q, kQkL2NormEps).to(ct);
-    k = l2_normalize(k, kQkL2NormEps).to(ct);
-    if (num_v_heads_ > num_k_heads_) {
-      // Each key head serves Hv/Hk consecutive value heads.
-      const int64_t repeats = num_v_heads_ / num_k_heads_;
-      q = q.repeat_interleave(repeats, /*dim=*/2);
-      k = k.repeat_interleave(repeats, /*dim=*/2);
-    }
 
     const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
     // g and beta come back FP32 from either form of the gate.
@@ -193,13 +182,15 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   at::Tensor o;
   switch (core_algorithm_) {
     case GdrCoreAlgorithm::kDispatch:
-      o = std::get<0>(gated_delta_rule(q, k, v, g, beta, scale));
+      o = std::get<0>(gated_delta_rule(q, k, v, g, beta, scale, std::nullopt, false, qk_norm));
       break;
     case GdrCoreAlgorithm::kChunked:
-      o = std::get<0>(gated_delta_rule_chunked(q, k, v, g, beta, scale));
+      o = std::get<0>(gated_delta_rule_chunked(q, k, v, g, beta, scale, std::nullopt, false,
+                                               kGdrChunkSize, qk_norm));
       break;
     case GdrCoreAlgorithm::kRecurrent:
-      o = std::get<0>(gated_delta_rule_recurrent(q, k, v, g, beta, scale));
+      o = std::get<0>(
+          gated_delta_rule_recurrent(q, k, v, g, beta, scale, std::nullopt, false, qk_norm));
       break;
   }
   const at::Tensor z = in_proj_z(x).reshape({B, T, num_v_heads_, v_head_dim_});

@@ -41,9 +41,6 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 // view).
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
 
-// q / ||q|| along the last dim in FP32: x * rsqrt(sum(x^2) + eps), eps 1e-6 in the model.
-at::Tensor l2_normalize(const at::Tensor& x, double eps);
-
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
 // 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype.
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
@@ -79,10 +76,12 @@ enum class GdrCoreAlgorithm { kDispatch, kChunked, kRecurrent };
 // Gated DeltaNet mixer (`linear_attn`). Parameters: in_proj_qkv [2*Hk*dk + Hv*dv, D],
 // in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D], conv1d.weight [conv_dim, 1, K],
 // dt_bias [Hv], A_log [Hv], norm.weight [dv], out_proj [D, Hv*dv]. No biases.
-// pre_gdr_fusion: none = causal conv + SiLU (gdn_causal_conv1d_silu), then L2 norm/repeat
-// and the gate as ATen ops; gate = the same with the fused gate op; full = one fused CUDA
-// op from the projections to the core inputs (gdr::pre_gdr_full_fusion; forward on a CPU
-// tensor fails saying it needs CUDA).
+// pre_gdr_fusion: none = causal conv + SiLU (gdn_causal_conv1d_silu) and the gate as ATen
+// ops, then the core with the raw q / k heads and GdrQkNorm::kL2 (the core L2-normalises q
+// and k and maps value heads to key heads: fused into the prep kernel on CUDA); gate = the
+// same with the fused gate op; full = one fused CUDA op from the projections to the core
+// inputs, q / k already normalised and repeated (gdr::pre_gdr_full_fusion; forward on a
+// CPU tensor fails saying it needs CUDA).
 class GatedDeltaNetImpl : public torch::nn::Module {
  public:
   explicit GatedDeltaNetImpl(const QwenConfig& config);

@@ -141,6 +141,43 @@ TEST(GatedDeltaRule, RejectsAGateOfTheWrongShapeNamingIt) {
   }
 }
 
+// Raw q, k with Hk key heads and GdrQkNorm::kL2 (the model's call): the chunked form
+// against the recurrence (both run gdr::chunk_prep_qk, then their own algorithm), outputs,
+// final state and every gradient, FP64, H = 2 Hk and 4 Hk.
+TEST(GatedDeltaRule, FusedNormAndHeadGroupsChunkedMatchesTheRecurrenceInFp64) {
+  for (const int64_t group : {2, 4}) {
+    at::manual_seed(40 + group);
+    const int64_t B = 1, T = 70, Hk = 2, H = Hk * group, dk = 4, dv = 3;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    std::vector<at::Tensor> leaves = {
+        at::randn({B, T, Hk, dk}, f64) * 3.0,   at::randn({B, T, Hk, dk}, f64) * 0.2,
+        at::randn({B, T, H, dv}, f64),          -3.0 * at::rand({B, T, H}, f64),
+        at::sigmoid(at::randn({B, T, H}, f64)), 0.5 * at::randn({B, H, dk, dv}, f64)};
+    for (at::Tensor& t : leaves) t.requires_grad_(true);
+    const at::Tensor w_o = at::randn({B, T, H, dv}, f64), w_s = at::randn({B, H, dk, dv}, f64);
+    auto run = [&](bool chunked) {
+      const auto [o, s] =
+          chunked ? gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                             0.5, leaves[5], true, 16, GdrQkNorm::kL2)
+                  : gated_delta_rule_recurrent(leaves[0], leaves[1], leaves[2], leaves[3],
+                                               leaves[4], 0.5, leaves[5], true, GdrQkNorm::kL2);
+      std::vector<at::Tensor> out = {o.detach(), s.detach()};
+      for (const at::Tensor& g :
+           torch::autograd::grad({(o * w_o).sum() + (s * w_s).sum()}, leaves)) {
+        out.push_back(g);
+      }
+      return out;
+    };
+    const auto chunked = run(true), recurrent = run(false);
+    ASSERT_EQ(chunked[0].sizes(), (std::vector<int64_t>{B, T, H, dv}));
+    ASSERT_EQ(chunked[2].sizes(), leaves[0].sizes());
+    const char* names[] = {"o", "final_state", "q", "k", "v", "g", "beta", "initial_state"};
+    for (size_t i = 0; i < chunked.size(); ++i) {
+      EXPECT_LT(max_abs_diff(chunked[i], recurrent[i]), 1e-10) << "H = " << H << " " << names[i];
+    }
+  }
+}
+
 // Packed documents: the same bits as separate calls, no state crossing a boundary, and
 // gradients that reach every document's tokens and initial state.
 TEST(GatedDeltaRuleVarlen, PackedDocumentsEqualSeparateCallsBitForBit) {
@@ -161,6 +198,27 @@ TEST(GatedDeltaRuleVarlen, PackedDocumentsEqualSeparateCallsBitForBit) {
     auto slice = [&](const at::Tensor& t) { return t.narrow(1, start, length); };
     const auto [o_i, s_i] = gated_delta_rule(slice(in.q), slice(in.k), slice(in.v), slice(in.g),
                                              slice(in.beta), scale, s0.narrow(0, i, 1), true);
+    EXPECT_TRUE(at::equal(slice(o), o_i)) << "document " << i;
+    EXPECT_TRUE(at::equal(s.narrow(0, i, 1), s_i)) << "document " << i;
+  }
+}
+
+TEST(GatedDeltaRuleVarlen, FusedNormAndHeadGroupsEqualSeparateCallsBitForBit) {
+  const std::vector<int64_t> cu = {0, 70, 75, 139};
+  at::manual_seed(34);
+  const int64_t Hk = 1, H = 2, dk = 8, dv = 6, T = 139;
+  const at::Tensor q = at::randn({1, T, Hk, dk}) * 2.0, k = at::randn({1, T, Hk, dk});
+  const GdrInputs in = make_inputs(1, T, H, dk, dv, at::kFloat, 35);
+  const at::Tensor s0 = 0.5 * at::randn({3, H, dk, dv});
+  const auto [o, s] = gated_delta_rule_varlen(q.to(at::kBFloat16), k.to(at::kBFloat16), in.v, in.g,
+                                              in.beta, 0.3, cu, s0, true, GdrQkNorm::kL2);
+  ASSERT_EQ(o.sizes(), in.v.sizes());
+  ASSERT_EQ(s.sizes(), s0.sizes());
+  for (int64_t i = 0; i < 3; ++i) {
+    auto slice = [&](const at::Tensor& t) { return t.narrow(1, cu[i], cu[i + 1] - cu[i]); };
+    const auto [o_i, s_i] = gated_delta_rule(slice(q.to(at::kBFloat16)), slice(k.to(at::kBFloat16)),
+                                             slice(in.v), slice(in.g), slice(in.beta), 0.3,
+                                             s0.narrow(0, i, 1), true, GdrQkNorm::kL2);
     EXPECT_TRUE(at::equal(slice(o), o_i)) << "document " << i;
     EXPECT_TRUE(at::equal(s.narrow(0, i, 1), s_i)) << "document " << i;
   }
@@ -242,7 +300,7 @@ TEST(GatedDeltaRuleVarlen, RejectsBadOffsetsNamingThem) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("gated_delta_rule_varlen: expected packed q of shape [1, T, H, dk] but "
+                  .find("gated_delta_rule_varlen: expected packed q of shape [1, T, Hk, dk] but "
                         "got [2, 10, 2, 4]"),
               std::string::npos)
         << e.what_without_backtrace();

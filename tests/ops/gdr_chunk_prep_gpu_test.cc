@@ -7,7 +7,11 @@
 // (q, k, v slices of one projection row, g and beta transposed) giving the bits of
 // contiguous inputs, with o handed over contiguous in v's dtype; side streams; 100
 // bit-exact replays of the training shape (BF16 and FP32 q/k/v) while other streams load
-// the GPU.
+// the GPU. The fused q / k L2 norm and head groups (raw BF16 / FP32 q, k with Hk key
+// heads, H = Hk, 2 Hk, 4 Hk, read in place as slices of a conv-output row; FP32 or BF16
+// v): the op against the CPU FP64 reference op, the core with GdrQkNorm::kL2 through the
+// prep kernel against the ATen composite (normalise + repeat + steps 1-6) and FP64, and
+// 100 bit-exact replays under load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -323,6 +327,191 @@ TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
 }
 
 // ---------------------------------------------------------------------------
+// The fused q / k L2 norm and head groups (Note [Fused q/k L2 norm])
+
+struct FusedInputs {
+  at::Tensor q, k, v, g, beta, initial_state;
+  at::Tensor conv;  // the row q and k are slices of (kept alive)
+};
+
+// As the model hands them to the core: q, k raw (unnormalised) conv outputs, [B, T, Hk, dk]
+// slices of one [B, T, 2 Hk dk + H dv] row per token (row norms ~0.1 .. 30, some tiny, one
+// zero token), v [B, T, H, dv] (its own contiguous tensor, FP32 in the model), g, beta
+// FP32.
+FusedInputs make_fused_inputs(int64_t B, int64_t T, int64_t Hk, int64_t group, int64_t dk,
+                              int64_t dv, at::ScalarType qk_dtype, at::ScalarType v_dtype,
+                              bool initial_state, uint64_t seed) {
+  at::manual_seed(seed);
+  const auto f32 = kCuda.dtype(at::kFloat);
+  const int64_t H = Hk * group;
+  FusedInputs x;
+  x.conv = at::randn({B, T, 2 * Hk * dk + H * dv}, f32).to(qk_dtype);
+  at::Tensor qk = x.conv.narrow(-1, 0, 2 * Hk * dk).view({B, T, 2 * Hk, dk});
+  qk.mul_((0.01 + 3.0 * at::rand({B, T, 2 * Hk, 1}, f32)).to(qk_dtype));
+  qk.slice(1, 3, T, 7).mul_(1e-4);
+  qk.select(1, T / 2).zero_();
+  x.q = x.conv.narrow(-1, 0, Hk * dk).view({B, T, Hk, dk});
+  x.k = x.conv.narrow(-1, Hk * dk, Hk * dk).view({B, T, Hk, dk});
+  x.v = at::randn({B, T, H, dv}, f32).to(v_dtype);
+  x.g = -2.0 * at::rand({B, T, H}, f32);
+  x.beta = at::sigmoid(at::randn({B, T, H}, f32));
+  if (initial_state) x.initial_state = 0.5 * at::randn({B, H, dk, dv}, f32);
+  return x;
+}
+
+FusedInputs cpu64(const FusedInputs& x) {
+  FusedInputs y;
+  y.q = cpu64(x.q);
+  y.k = cpu64(x.k);
+  y.v = cpu64(x.v);
+  y.g = cpu64(x.g);
+  y.beta = cpu64(x.beta);
+  y.initial_state = cpu64(x.initial_state);
+  return y;
+}
+
+struct FusedCase {
+  int64_t B, T, Hk, group, dk, dv;
+  at::ScalarType qk_dtype, v_dtype;
+  bool initial_state;
+};
+
+std::string describe(const FusedCase& c) {
+  auto name = [](at::ScalarType t) { return t == at::kBFloat16 ? "bf16" : "fp32"; };
+  return "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hk" + std::to_string(c.Hk) +
+         " H" + std::to_string(c.Hk * c.group) + " dk" + std::to_string(c.dk) + " dv" +
+         std::to_string(c.dv) + " qk " + name(c.qk_dtype) + " v " + name(c.v_dtype) +
+         (c.initial_state ? " S0" : "");
+}
+
+Results run_fused_op(const FusedInputs& x, double scale, const std::vector<at::Tensor>& up) {
+  auto [u, w, qd, p, kend, g_last] = chunk_prep(x.q, x.k, x.v, x.g, x.beta, scale, 64, true);
+  auto [dq, dk, dv, dg, dbeta] = chunk_prep_backward(up[0], up[1], up[2], up[3], up[4], up[5], x.q,
+                                                     x.k, x.v, x.g, x.beta, u, w, scale, 64, true);
+  return {u, w, qd, p, kend, g_last, dq, dk, dv, dg, dbeta};
+}
+
+std::vector<at::Tensor> make_fused_upstream(const FusedInputs& x) {
+  const int64_t B = x.v.size(0), T = x.v.size(1), H = x.v.size(2), dk = x.q.size(3),
+                dv = x.v.size(3), N = (T + 63) / 64;
+  const auto f32 = kCuda.dtype(at::kFloat);
+  return {at::randn({B, H, N, 64, dv}, f32), at::randn({B, H, N, 64, dk}, f32),
+          at::randn({B, H, N, 64, dk}, f32), at::randn({B, H, N, 64, 64}, f32),
+          at::randn({B, H, N, 64, dk}, f32), at::randn({B, H, N}, f32)};
+}
+
+TEST(ChunkPrepGpu, FusedNormAndHeadGroupsMatchTheFp64CpuReference) {
+  const std::vector<FusedCase> cases = {
+      {1, 2048, 8, 2, 128, 128, at::kBFloat16, at::kFloat, false},
+      {1, 2085, 16, 1, 128, 128, at::kBFloat16, at::kFloat, false},
+      {2, 200, 2, 4, 64, 128, at::kFloat, at::kFloat, false},
+      {1, 130, 4, 1, 128, 64, at::kFloat, at::kFloat, false},
+      {2, 70, 1, 4, 128, 96, at::kBFloat16, at::kBFloat16, false},
+  };
+  for (const FusedCase& c : cases) {
+    const FusedInputs x = make_fused_inputs(c.B, c.T, c.Hk, c.group, c.dk, c.dv, c.qk_dtype,
+                                            c.v_dtype, false, 31 + c.T + c.group);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+    const std::vector<at::Tensor> up = make_fused_upstream(x);
+    const Results got = run_fused_op(x, scale, up);
+    std::vector<at::Tensor> up64;
+    for (const at::Tensor& t : up) up64.push_back(cpu64(t));
+    const Results ref = run_fused_op(cpu64(x), scale, up64);
+    const at::ScalarType grad_types[] = {c.qk_dtype, c.qk_dtype, c.v_dtype};
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].is_cuda()) << describe(c) << " " << kOpNames[i];
+      ASSERT_EQ(got[i].sizes(), ref[i].sizes()) << describe(c) << " " << kOpNames[i];
+      const bool bf16_grad = i >= 6 && i <= 8 && grad_types[i - 6] == at::kBFloat16;
+      if (i >= 6 && i <= 8) {
+        EXPECT_EQ(got[i].scalar_type(), grad_types[i - 6]) << describe(c) << " " << kOpNames[i];
+      }
+      const double err = relative_error(got[i], ref[i]);
+      std::printf("fused op %s %s: %.2e\n", describe(c).c_str(), kOpNames[i], err);
+      // As the unfused op: FP32 against FP64 on the same (rounded) raw inputs (the norm's
+      // FP32 sum of squares and rsqrtf add a few ulps); BF16 gradients rounded on the way out.
+      EXPECT_LE(err, bf16_grad ? 8e-3 : 1e-4) << describe(c) << " " << kOpNames[i];
+    }
+  }
+}
+
+// The core with GdrQkNorm::kL2 through the prep kernel against the ATen prep (chunk_prep_qk
+// + the ATen steps 1-6), both against FP64 on the CPU: outputs and the gradients of the raw
+// q, k (in their dtype and [B, T, Hk, dk] shape), v, g, beta, initial_state.
+Results run_fused_core(const FusedInputs& x, const at::Tensor& w_o, const at::Tensor& w_s) {
+  std::vector<at::Tensor> leaves = {x.q, x.k, x.v, x.g, x.beta};
+  if (x.initial_state.defined()) leaves.push_back(x.initial_state);
+  for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
+  std::optional<at::Tensor> initial;
+  if (x.initial_state.defined()) initial = leaves[5];
+  const double scale = 1.0 / std::sqrt(static_cast<double>(x.q.size(3)));
+  auto [o, s] = gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                         scale, initial, true, kGdrChunkSize, GdrQkNorm::kL2);
+  const at::Tensor loss =
+      (o.to(w_o.scalar_type()) * w_o).sum() + (s.to(w_s.scalar_type()) * w_s).sum();
+  Results out = {o.detach(), s.detach()};
+  for (const at::Tensor& grad : torch::autograd::grad({loss}, leaves)) out.push_back(grad);
+  return out;
+}
+
+TEST_F(GdrCorePrepGpu, FusedNormKernelPrepMatchesTheCompositeInOutputsAndGradients) {
+  const std::vector<FusedCase> cases = {
+      // The model's training combination (0.8B: Hk = H = 16), and H = 2 Hk, 4 Hk.
+      {1, 2048, 16, 1, 128, 128, at::kBFloat16, at::kFloat, false},
+      {1, 2048, 8, 2, 128, 128, at::kBFloat16, at::kFloat, false},
+      {2, 300, 2, 4, 128, 128, at::kBFloat16, at::kFloat, true},
+      {1, 130, 2, 2, 64, 64, at::kBFloat16, at::kFloat, true},
+      {2, 2085, 2, 2, 128, 128, at::kFloat, at::kFloat, true},
+      {1, 200, 1, 4, 64, 128, at::kFloat, at::kFloat, false},
+      {1, 100, 2, 2, 128, 64, at::kBFloat16, at::kBFloat16, true},
+  };
+  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  for (const FusedCase& c : cases) {
+    const std::string context = describe(c);
+    const FusedInputs x = make_fused_inputs(c.B, c.T, c.Hk, c.group, c.dk, c.dv, c.qk_dtype,
+                                            c.v_dtype, c.initial_state, 13 + c.T + c.group);
+    const int64_t H = c.Hk * c.group;
+    const at::Tensor w_o = at::randn({c.B, c.T, H, c.dv}, kCuda);
+    const at::Tensor w_s = at::randn({c.B, H, c.dk, c.dv}, kCuda);
+    set_gdr_core_prep(GdrCorePrep::kKernel);
+    const Results kernel = run_fused_core(x, w_o, w_s);
+    EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
+    set_gdr_core_prep(GdrCorePrep::kAten);
+    const Results aten = run_fused_core(x, w_o, w_s);
+    EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << context;
+    const Results exact = run_fused_core(cpu64(x), cpu64(w_o), cpu64(w_s));
+    ASSERT_EQ(kernel.size(), exact.size());
+    EXPECT_EQ(kernel[2].sizes(), x.q.sizes()) << context;
+    EXPECT_EQ(kernel[2].scalar_type(), c.qk_dtype) << context;
+    EXPECT_EQ(kernel[3].scalar_type(), c.qk_dtype) << context;
+    EXPECT_EQ(kernel[0].scalar_type(), c.v_dtype) << context;
+    for (size_t i = 0; i < kernel.size(); ++i) {
+      ASSERT_EQ(kernel[i].sizes(), aten[i].sizes()) << context << " " << names[i];
+      ASSERT_EQ(kernel[i].scalar_type(), aten[i].scalar_type()) << context << " " << names[i];
+      const double err_kernel = relative_error(kernel[i], exact[i]);
+      const double err_aten = relative_error(aten[i], exact[i]);
+      const double err_between = relative_error(kernel[i], aten[i]);
+      std::printf("fused %s %s: kernel %.2e, aten %.2e (vs FP64), kernel vs aten %.2e\n",
+                  context.c_str(), names[i], err_kernel, err_aten, err_between);
+      const bool rounded = (i == 0 && c.v_dtype == at::kBFloat16) ||
+                           ((i == 2 || i == 3) && c.qk_dtype == at::kBFloat16) ||
+                           (i == 4 && c.v_dtype == at::kBFloat16);
+      if (rounded) {
+        // Both compute in FP32 from the same inputs and round the result to BF16 once:
+        // a last-bit flip of one rounding is ~4e-3 of an element; 1e-2 of max |x| stated.
+        EXPECT_LE(err_between, 1e-2) << context << " " << names[i];
+        EXPECT_LE(err_kernel, std::max(1e-2, 2.0 * err_aten)) << context << " " << names[i];
+      } else {
+        // FP32 with different summation orders (and rsqrtf against ATen's rsqrt): as
+        // accurate as the composite (a factor 4 for rounding luck) and close to it.
+        EXPECT_LE(err_kernel, std::max(1e-4, 4.0 * err_aten)) << context << " " << names[i];
+        EXPECT_LE(err_between, 1e-3) << context << " " << names[i];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Replays under load
 
 class GdrCorePrepReplays : public GdrCorePrepGpu,
@@ -357,6 +546,47 @@ TEST_P(GdrCorePrepReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLo
       << "gated_delta_rule_chunked (prep kernel, step 7 kernel) forward and gradients must give "
          "identical bits on every replay";
 }
+
+// The model's call on its training shapes: raw BF16 q, k read in place from the conv row,
+// FP32 v, the L2 norm fused, H = Hk (0.8B) and H = 2 Hk (the per-value-head dq / dk
+// partials and their ordered sum); the core forward and gradients and the op each way.
+class GdrCoreFusedNormReplays : public GdrCorePrepGpu,
+                                public testing::WithParamInterface<int64_t> {};
+
+TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
+  set_gdr_core_prep(GdrCorePrep::kKernel);
+  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  const int64_t group = GetParam(), Hk = 16 / group;
+  const FusedInputs x =
+      make_fused_inputs(1, 2048, Hk, group, 128, 128, at::kBFloat16, at::kFloat, false, 77);
+  const at::Tensor w_o = at::randn({1, 2048, 16, 128}, kCuda);
+  const at::Tensor w_s = at::randn({1, 16, 128, 128}, kCuda);
+  const Results first_core = run_fused_core(x, w_o, w_s);
+  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel);
+  const std::vector<at::Tensor> up = make_fused_upstream(x);
+  const Results first_op = run_fused_op(x, 0.088, up);
+
+  std::optional<test_support::GpuContention> load(std::in_place);
+  int core_mismatches = 0, op_mismatches = 0;
+  for (int replay = 0; replay < 100; ++replay) {
+    const Results core = run_fused_core(x, w_o, w_s);
+    for (size_t i = 0; i < core.size(); ++i)
+      core_mismatches += bitwise_equal(core[i], first_core[i]) ? 0 : 1;
+    const Results op = run_fused_op(x, 0.088, up);
+    for (size_t i = 0; i < op.size(); ++i)
+      op_mismatches += bitwise_equal(op[i], first_op[i]) ? 0 : 1;
+  }
+  load.reset();
+  EXPECT_EQ(op_mismatches, 0) << "the fused chunk prep op must give identical bits on every replay";
+  EXPECT_EQ(core_mismatches, 0)
+      << "gated_delta_rule_chunked with GdrQkNorm::kL2 (prep kernel, step 7 kernel) forward "
+         "and gradients must give identical bits on every replay";
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadGroups, GdrCoreFusedNormReplays, testing::Values(1, 2),
+                         [](const testing::TestParamInfo<int64_t>& info) {
+                           return "Group" + std::to_string(info.param);
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GdrCorePrepReplays, testing::Values(at::kBFloat16, at::kFloat),
                          [](const testing::TestParamInfo<at::ScalarType>& info) {

@@ -5,15 +5,21 @@
 // backward_via_kernel), and checked against the CPU reference op in FP64: both head dims
 // the kernels support, dv != dk, T not a multiple of 64 (a padded tail chunk), FP32 and
 // BF16 inputs, absent upstream gradients, inputs read in place as strided views (q, k, v
-// slices of one wider projection; g, beta transposed). This proves the kernels' indexing, barriers
-// and shared-memory carve-up and the op's layouts on machines without a GPU; speed, streams and the
-// real hardware are the GPU test's business.
+// slices of one wider projection; g, beta transposed). The fused q / k L2 norm and head
+// groups (raw q, k with Hk = H, H/2, H/4 key heads; BF16, FP16 and FP32 q / k with FP32 or
+// BF16 v; zero and tiny rows; tails; conv-row slices) against an FP64 autograd statement
+// of the spec, forward outputs and every gradient. This proves the kernels' indexing,
+// barriers and shared-memory carve-up and the op's layouts on machines without a GPU;
+// speed, streams, the device's rsqrtf / expf and the real hardware are the GPU test's
+// business.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -21,6 +27,7 @@
 
 #include "kernels/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_prep.h"
+#include "ops/gdr_core.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (and nothing else; see the
 // NOTE in the .cuh).
@@ -40,6 +47,9 @@ unsigned __float_as_uint(float f) {
   std::memcpy(&bits, &f, sizeof bits);
   return bits;
 }
+// The device's rsqrtf is approximate (<= 2 ulp); the host's correctly rounded stand-in
+// can differ from it in the last bits, which the tolerances below cover.
+float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 #define __device__
 #define __forceinline__ inline
@@ -77,27 +87,38 @@ void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
   pthread_barrier_destroy(&g_block_barrier);
 }
 
+// The launchers' dispatch (kernels/gdr_chunk_prep.cu) over the (q / k, v) type pairs.
 void emulate_forward(const ChunkPrepForwardArgs& args) {
-  const int64_t floats = chunk_prep_forward_smem_floats(args.shape.dk, args.shape.dv);
-  if (args.shape.input == ChunkPrepInput::kBFloat16) {
-    run_grid(args, floats, chunk_prep_detail::chunk_prep_forward_block<Bf16>);
+  const ChunkPrepShape& s = args.shape;
+  ASSERT_TRUE(chunk_prep_supports_inputs(s.qk_input, s.v_input));
+  const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
+  using namespace chunk_prep_detail;
+  if (s.qk_input == ChunkPrepInput::kFloat) {
+    run_grid(args, floats, chunk_prep_forward_block<float, float>);
+  } else if (s.v_input == ChunkPrepInput::kFloat) {
+    run_grid(args, floats, chunk_prep_forward_block<Bf16, float>);
   } else {
-    run_grid(args, floats, chunk_prep_detail::chunk_prep_forward_block<float>);
+    run_grid(args, floats, chunk_prep_forward_block<Bf16, Bf16>);
   }
 }
 
 template <int DK>
 void emulate_backward_dk(const ChunkPrepBackwardArgs& args) {
-  const int64_t floats = chunk_prep_backward_smem_floats(args.shape.dk, args.shape.dv);
-  if (args.shape.input == ChunkPrepInput::kBFloat16) {
-    run_grid(args, floats, chunk_prep_detail::chunk_prep_backward_block<Bf16, DK>);
+  const ChunkPrepShape& s = args.shape;
+  const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
+  using namespace chunk_prep_detail;
+  if (s.qk_input == ChunkPrepInput::kFloat) {
+    run_grid(args, floats, chunk_prep_backward_block<float, float, DK>);
+  } else if (s.v_input == ChunkPrepInput::kFloat) {
+    run_grid(args, floats, chunk_prep_backward_block<Bf16, float, DK>);
   } else {
-    run_grid(args, floats, chunk_prep_detail::chunk_prep_backward_block<float, DK>);
+    run_grid(args, floats, chunk_prep_backward_block<Bf16, Bf16, DK>);
   }
 }
 
 void emulate_backward(const ChunkPrepBackwardArgs& args) {
   ASSERT_TRUE(chunk_prep_supports(args.shape.dk, args.shape.dv));
+  ASSERT_TRUE(chunk_prep_supports_inputs(args.shape.qk_input, args.shape.v_input));
   if (args.shape.dk == 64) return emulate_backward_dk<64>(args);
   emulate_backward_dk<128>(args);
 }
@@ -155,7 +176,7 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
   const auto ref = chunk_prep(f64(q), f64(k), f64(v), f64(g), f64(beta), scale, C);
   const auto got =
-      chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, emulate_forward);
+      chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, false, emulate_forward);
   const std::vector<at::Tensor> ref_out = {std::get<0>(ref), std::get<1>(ref), std::get<2>(ref),
                                            std::get<3>(ref), std::get<4>(ref), std::get<5>(ref)};
   const std::vector<at::Tensor> got_out = {std::get<0>(got), std::get<1>(got), std::get<2>(got),
@@ -183,7 +204,7 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   du = du->transpose(0, 1).contiguous().transpose(0, 1);
   const auto got_b = chunk_prep_internal::backward_via_kernel(
       du, grads[1], grads[2], grads[3], grads[4], grads[5], q, k, v, g, beta, got_out[0],
-      got_out[1], scale, C, emulate_backward);
+      got_out[1], scale, C, false, emulate_backward);
   const std::vector<at::Tensor> rb = {std::get<0>(ref_b), std::get<1>(ref_b), std::get<2>(ref_b),
                                       std::get<3>(ref_b), std::get<4>(ref_b)};
   const std::vector<at::Tensor> gb = {std::get<0>(got_b), std::get<1>(got_b), std::get<2>(got_b),
@@ -203,7 +224,7 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
     auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
     const auto fp32_b = chunk_prep_internal::backward_via_kernel(
         du, grads[1], grads[2], grads[3], grads[4], grads[5], f32(q), f32(k), f32(v), g, beta,
-        got_out[0], got_out[1], scale, C, emulate_backward);
+        got_out[0], got_out[1], scale, C, false, emulate_backward);
     const at::Tensor f[] = {std::get<0>(fp32_b), std::get<1>(fp32_b), std::get<2>(fp32_b)};
     for (int i = 0; i < 3; ++i) {
       EXPECT_TRUE(at::equal(f[i].to(at::kBFloat16), gb[i])) << describe(c) << " " << grad_names[i];
@@ -234,11 +255,175 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
                            return describe(info.param);
                          });
 
+// ---------------------------------------------------------------------------
+// The fused q / k L2 norm and head groups (Note [Fused q/k L2 norm]): raw q, k with Hk
+// key heads against an independent FP64 statement of the spec, autograd through the
+// normalisation and the repeat.
+
+struct FusedCase {
+  int64_t B, T, Hk, group, dk, dv;
+  at::ScalarType qk_dtype, v_dtype;
+  bool l2 = true;
+  bool strided = false;  // q, k slices of one conv-output row; v, g, beta non-contiguous
+};
+
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32";
+}
+
+std::string describe(const FusedCase& c) {
+  return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_Hk" + std::to_string(c.Hk) +
+         "_H" + std::to_string(c.Hk * c.group) + "_dk" + std::to_string(c.dk) + "_dv" +
+         std::to_string(c.dv) + "_qk_" + dtype_name(c.qk_dtype) + "_v_" + dtype_name(c.v_dtype) +
+         (c.l2 ? "_l2" : "_no_l2") + (c.strided ? "_strided" : "");
+}
+
+// The spec, written out here rather than through gdr::chunk_prep_qk: each row of q and k
+// scaled by (sum(x^2) + 1e-6)^-1/2, key head j repeated for value heads j G .. j G + G - 1,
+// then steps 1-6 (chunk_prep_composite, the ATen reference of the op).
+std::vector<at::Tensor> spec_outputs(const std::vector<at::Tensor>& x, int64_t group, bool l2,
+                                     double scale) {
+  auto rows = [&](const at::Tensor& t) {
+    at::Tensor y = l2 ? t / (t.pow(2).sum(-1, true) + 1e-6).sqrt() : t;
+    return y.repeat_interleave(group, 2);
+  };
+  const auto out =
+      chunk_prep_composite(rows(x[0]), rows(x[1]), x[2], x[3], x[4], scale, kChunkPrepChunk);
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out),
+          std::get<3>(out), std::get<4>(out), std::get<5>(out)};
+}
+
+class ChunkPrepKernelEmulationFusedQk : public ::testing::TestWithParam<FusedCase> {};
+
+TEST_P(ChunkPrepKernelEmulationFusedQk, MatchesTheFp64SpecWithAutogradThroughNormAndRepeat) {
+  const FusedCase c = GetParam();
+  const int64_t H = c.Hk * c.group;
+  at::manual_seed(c.T + 7 * c.group + c.dk);
+  // Raw rows as the causal conv hands them over: norms spread over ~0.1 .. 30; every 7th
+  // token's rows are tiny (|x|^2 ~ 1e-6: the eps matters) and every 11th token's q row and
+  // 13th token's k row are exactly zero (r = rsqrt(eps), xn = 0, no NaN). All rounded to
+  // the input dtype first.
+  auto raw_rows = [&](int64_t zero_every) {
+    at::Tensor x = at::randn({c.B, c.T, c.Hk, c.dk}) * (0.01 + 3.0 * at::rand({c.B, c.T, c.Hk, 1}));
+    x.slice(1, 3, c.T, 7).mul_(1e-4);
+    x.slice(1, 5, c.T, zero_every).zero_();
+    return x;
+  };
+  at::Tensor q = raw_rows(11), k = raw_rows(13);
+  if (!c.l2) {  // without the fused norm the rows must already be unit vectors
+    q = at::randn_like(q);
+    k = at::randn_like(k);
+    q = q / q.norm(2, -1, true);
+    k = k / k.norm(2, -1, true);
+  }
+  q = q.to(c.qk_dtype);
+  k = k.to(c.qk_dtype);
+  at::Tensor v = at::randn({c.B, c.T, H, c.dv}).to(c.v_dtype);
+  at::Tensor g = -2.0 * at::rand({c.B, c.T, H});
+  at::Tensor beta = at::sigmoid(at::randn({c.B, c.T, H}));
+  if (c.strided) {
+    // The model's layout: q | k heads side by side in one conv-output row per token (NaN
+    // in the unused tail), v a slice of its own wider row, g and beta stored [T, B, H].
+    at::Tensor conv = at::full({c.B, c.T, 2 * c.Hk * c.dk + 24}, NAN, q.options());
+    conv.narrow(-1, 0, c.Hk * c.dk).copy_(q.reshape({c.B, c.T, -1}));
+    conv.narrow(-1, c.Hk * c.dk, c.Hk * c.dk).copy_(k.reshape({c.B, c.T, -1}));
+    q = conv.narrow(-1, 0, c.Hk * c.dk).view({c.B, c.T, c.Hk, c.dk});
+    k = conv.narrow(-1, c.Hk * c.dk, c.Hk * c.dk).view({c.B, c.T, c.Hk, c.dk});
+    at::Tensor v_row = at::full({c.B, c.T, H, c.dv + 8}, NAN, v.options());
+    v_row.narrow(-1, 0, c.dv).copy_(v);
+    v = v_row.narrow(-1, 0, c.dv);
+    g = g.transpose(0, 1).contiguous().transpose(0, 1);
+    beta = beta.transpose(0, 1).contiguous().transpose(0, 1);
+    ASSERT_FALSE(q.is_contiguous() || k.is_contiguous() || v.is_contiguous());
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+  const int64_t C = kChunkPrepChunk;
+
+  std::vector<at::Tensor> leaves = {q, k, v, g, beta};
+  for (at::Tensor& t : leaves) t = t.detach().to(at::kDouble).requires_grad_(true);
+  const std::vector<at::Tensor> ref = spec_outputs(leaves, c.group, c.l2, scale);
+  const auto got =
+      chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, c.l2, emulate_forward);
+  const std::vector<at::Tensor> got_out = {std::get<0>(got), std::get<1>(got), std::get<2>(got),
+                                           std::get<3>(got), std::get<4>(got), std::get<5>(got)};
+  const char* out_names[] = {"u", "w", "qd", "p", "kend", "g_last"};
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_EQ(got_out[i].sizes(), ref[i].sizes()) << out_names[i];
+    const double err = relative_error(got_out[i], ref[i]);
+    std::printf("%s %s: %.2e\n", describe(c).c_str(), out_names[i], err);
+    // FP32 sums of at most 128 terms, a 64-row substitution, and the norm's FP32 sum of
+    // squares and reciprocal square root against FP64 (measured <= 2.7e-6 over the cases).
+    EXPECT_LE(err, 1e-5) << describe(c) << " " << out_names[i];
+  }
+
+  std::vector<at::Tensor> up;
+  for (const at::Tensor& t : ref) up.push_back(at::randn(t.sizes(), at::kDouble));
+  at::Tensor loss = at::zeros({}, at::kDouble);
+  for (size_t i = 0; i < ref.size(); ++i) loss = loss + (ref[i] * up[i]).sum();
+  const auto ref_grads = torch::autograd::grad({loss}, leaves);
+  auto f32 = [](const at::Tensor& t) { return std::optional<at::Tensor>(t.to(at::kFloat)); };
+  auto backward = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv) {
+    const auto b = chunk_prep_internal::backward_via_kernel(
+        f32(up[0]), f32(up[1]), f32(up[2]), f32(up[3]), f32(up[4]), f32(up[5]), qq, kk, vv, g, beta,
+        got_out[0], got_out[1], scale, C, c.l2, emulate_backward);
+    return std::vector<at::Tensor>{std::get<0>(b), std::get<1>(b), std::get<2>(b), std::get<3>(b),
+                                   std::get<4>(b)};
+  };
+  const std::vector<at::Tensor> grads = backward(q, k, v);
+  const char* grad_names[] = {"dq", "dk", "dv", "dg", "dbeta"};
+  const at::ScalarType grad_types[] = {c.qk_dtype, c.qk_dtype, c.v_dtype, at::kFloat, at::kFloat};
+  for (size_t i = 0; i < grads.size(); ++i) {
+    ASSERT_EQ(grads[i].sizes(), leaves[i].sizes()) << grad_names[i];
+    EXPECT_TRUE(grads[i].is_contiguous()) << grad_names[i];
+    EXPECT_EQ(grads[i].scalar_type(), grad_types[i]) << grad_names[i];
+    const double err = relative_error(grads[i], ref_grads[i]);
+    std::printf("%s %s: %.2e\n", describe(c).c_str(), grad_names[i], err);
+    // FP32: the steps' fixed-order sums, then the L2 backward's row dot (dk terms) and,
+    // with head groups, the sum of G partials, a few ulps of max |dx| each (measured <=
+    // 2.1e-6 over the cases). 16-bit gradients are rounded once on the way out (2^-9
+    // relative to an element for BF16, 2^-12 for FP16, so ~4e-3 and ~5e-4 of max |dx|).
+    const double tol = grad_types[i] == at::kBFloat16 ? 8e-3
+                       : grad_types[i] == at::kHalf   ? 1e-3
+                                                      : 1e-5;
+    EXPECT_LE(err, tol) << describe(c) << " " << grad_names[i];
+  }
+  if (c.qk_dtype == at::kBFloat16) {
+    // The same values as FP32 inputs run the same FP32 arithmetic; the 16-bit dq, dk must be
+    // bit for bit ATen's cast of that FP32 result (written by the kernel itself when G = 1,
+    // cast after the ordered partial sum when G > 1).
+    auto to32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    const std::vector<at::Tensor> fp32 = backward(to32(q), to32(k), to32(v));
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::equal(fp32[i].to(grad_types[i]), grads[i]))
+          << describe(c) << " " << grad_names[i];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ChunkPrepKernelEmulationFusedQk,
+    ::testing::Values(
+        // The model's training combination: BF16 conv outputs read in place, FP32 v.
+        FusedCase{1, 200, 2, 1, 128, 128, at::kBFloat16, at::kFloat, true, true},
+        FusedCase{2, 130, 1, 2, 128, 64, at::kBFloat16, at::kFloat, true, true},
+        FusedCase{1, 70, 1, 4, 128, 32, at::kBFloat16, at::kFloat, true, true},
+        // FP32 (tight), both head dims, tails, G = 1, 2, 4.
+        FusedCase{1, 100, 2, 1, 64, 32, at::kFloat, at::kFloat},
+        FusedCase{1, 100, 1, 2, 64, 48, at::kFloat, at::kFloat},
+        FusedCase{2, 64, 1, 4, 128, 128, at::kFloat, at::kFloat, true, true},
+        FusedCase{1, 130, 2, 2, 128, 64, at::kFloat, at::kFloat},
+        // BF16 q, k and v; FP16 q, k (through FP32); head groups without the norm.
+        FusedCase{1, 30, 1, 4, 64, 48, at::kBFloat16, at::kBFloat16},
+        FusedCase{1, 70, 1, 2, 64, 32, at::kHalf, at::kFloat, true, true},
+        FusedCase{1, 100, 1, 2, 64, 32, at::kFloat, at::kFloat, false},
+        FusedCase{1, 70, 2, 2, 128, 64, at::kBFloat16, at::kFloat, false, true}),
+    [](const ::testing::TestParamInfo<FusedCase>& info) { return describe(info.param); });
+
 TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
   const at::Tensor q = at::randn({1, 10, 1, 32}), v = at::randn({1, 10, 1, 64});
   const at::Tensor g = at::zeros({1, 10, 1});
   try {
-    chunk_prep_internal::forward_via_kernel(q, q, v, g, g, 1.0, 64, emulate_forward);
+    chunk_prep_internal::forward_via_kernel(q, q, v, g, g, 1.0, 64, false, emulate_forward);
     FAIL() << "dk = 32 must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
