@@ -151,7 +151,12 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Backend> backend;  // Gloo (CPU tensors) or NCCL (CUDA tensors)
   bool cuda = false;
   int64_t exchanges = 0;
+  bool two_rank_all_reduce = true;
 };
+
+void ProcessGroup::set_two_rank_all_reduce_for_testing(bool enabled) {
+  impl_->two_rank_all_reduce = enabled;
+}
 
 ProcessGroup::ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl)
     : env_(std::move(env)), impl_(std::move(impl)) {}
@@ -263,9 +268,27 @@ void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
     merge_equal_levels();
     return;
   }
+  // The copy tiles one flat buffer, in order (Note [Two-rank all-reduce]): the oldest copy
+  // is where every later leaf ends up, so the sum comes out as views of one buffer.
   std::vector<at::Tensor> copy;
   copy.reserve(leaf.size());
-  for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
+  bool same_options = true;
+  int64_t total = 0;
+  for (const at::Tensor& t : leaf) {
+    same_options =
+        same_options && t.scalar_type() == leaf[0].scalar_type() && t.device() == leaf[0].device();
+    total += t.numel();
+  }
+  if (!leaf.empty() && same_options) {
+    const at::Tensor flat = at::empty({total}, leaf[0].options());
+    int64_t offset = 0;
+    for (const at::Tensor& t : leaf) {
+      copy.push_back(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  } else {
+    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
+  }
   at::_foreach_copy_(copy, leaf);
   add(std::move(copy));
 }
@@ -354,6 +377,23 @@ absl::Status reduction_failed(int rank, int world, const std::exception& e) {
                    error_text(e)));
 }
 
+// The one flat tensor that `tensors` tile in order (contiguous views of one storage, from
+// offset 0 to its end); undefined when they do not.
+at::Tensor tiled_buffer(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return {};
+  const c10::Storage& storage = tensors[0].storage();
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_contiguous() || !t.storage().is_alias_of(storage) || t.storage_offset() != offset ||
+        t.scalar_type() != tensors[0].scalar_type()) {
+      return {};
+    }
+    offset += t.numel();
+  }
+  if (static_cast<size_t>(offset) * tensors[0].element_size() != storage.nbytes()) return {};
+  return at::empty({0}, tensors[0].options()).set_(storage, 0, {offset}, {1});
+}
+
 }  // namespace
 
 c10d::Backend& ProcessGroup::backend() const { return *impl_->backend; }
@@ -382,6 +422,40 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
         const double* p = t.data_ptr<double>();
         gathered_extra->emplace_back(p, p + t.numel());
       }
+    }
+    if (world == 2 && impl_->two_rank_all_reduce && !tensors.empty()) {
+      // Note [Two-rank all-reduce]: with two ranks every element of the sum is one FP32
+      // addition, rank 0's value + rank 1's, and IEEE addition is commutative: whatever
+      // algorithm, protocol or chunking the backend's all-reduce picks, each element is that
+      // one correctly rounded add, so the result has the bits of the rank-order tree below
+      // (a NaN's payload aside), and ranks and reruns agree. It moves the same bytes as the
+      // all-gather but needs no copies, no sum pass and no host wait per bucket: one
+      // collective over the flat buffer the gradients tile (PairwiseSum::add_copy_of makes
+      // them so), else over a concatenated copy.
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        TORCH_CHECK(
+            tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
+            "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
+            " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
+            tensors[i].device());
+      }
+      at::Tensor flat = tiled_buffer(tensors);
+      const bool copied = !flat.defined();
+      if (copied) {
+        std::vector<at::Tensor> pieces;
+        for (const at::Tensor& t : tensors) pieces.push_back(t.reshape({-1}));
+        flat = at::cat(pieces);
+      }
+      std::vector<at::Tensor> io{flat};
+      backend().allreduce(io)->wait();
+      if (copied) {
+        int64_t offset = 0;
+        for (const at::Tensor& t : tensors) {
+          t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+          offset += t.numel();
+        }
+      }
+      return absl::OkStatus();
     }
     // Buckets by bucket_ranges. Up to kBucketsInFlight all-gathers are queued before the
     // oldest is waited for, so the transfers run back to back while earlier buckets are

@@ -96,6 +96,10 @@ class ProcessGroup {
   static constexpr int64_t kBucketElements = int64_t{16} << 20;
   static constexpr int kBucketsInFlight = 8;
 
+  // Tests only: with two ranks, reduce by the all-gather buckets too instead of Note
+  // [Two-rank all-reduce]'s one all-reduce, so both paths can be checked against each other.
+  void set_two_rank_all_reduce_for_testing(bool enabled);
+
  private:
   friend class OverlappedReduction;
   c10d::Backend& backend() const;  // Gloo or NCCL, for the reductions in distributed.cc

@@ -376,7 +376,11 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
   // microbatch's backward hands each parameter's final local sum to the cross-rank
   // reduction as soon as autograd produces its gradient.
-  const bool overlap = world > 1 && m.config.train.overlap_grad_reduction;
+  // With microbatch graphs the reduction runs after the last replay: the hand-over needs
+  // an eager backward whose hooks call the backend, and that microbatch cost more host
+  // and GPU time than the overlap hid (docs/benchmarks.md, issue 7).
+  const bool overlap =
+      world > 1 && m.config.train.overlap_grad_reduction && m.graph_capture == nullptr;
   std::unique_ptr<OverlappedReduction> overlapped;
   for (size_t k = 0; k < mine.size(); ++k) {
     const at::Tensor ids = step_ids[static_cast<int64_t>(k)];

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <cmath>
+#include <cstring>
 
 #include <map>
 #include <string>
@@ -209,6 +210,7 @@ TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
   constexpr int kTensors = 40;
   std::vector<std::vector<at::Tensor>> results(2);
   on_two_ranks([&](ProcessGroup& group) {
+    group.set_two_rank_all_reduce_for_testing(false);  // the buckets are under test
     const int r = group.rank();
     std::vector<at::Tensor> grads;
     for (int i = 0; i < kTensors; ++i) {
@@ -225,6 +227,43 @@ TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
     const at::Tensor want = base.add(0.0f) + base.add(1000.0f);  // rank 0 + rank 1
     EXPECT_TRUE(at::equal(results[0][i], want)) << i;
     EXPECT_TRUE(at::equal(results[1][i], want)) << i;
+  }
+}
+
+// Note [Two-rank all-reduce]: the one all-reduce gives the all-gather tree's bits, for
+// values where the order of an addition chain would show (1e8 + 1, signed zeros, huge and
+// tiny), whether the gradients tile one flat buffer (as PairwiseSum::add_copy_of leaves
+// them) or not, and the result lands in the caller's tensors.
+TEST(ProcessGroupTest, TwoRankAllReduceEqualsTheGatherTree) {
+  std::vector<std::vector<at::Tensor>> fast(2), tree(2), tiled(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    auto make = [&] {
+      at::manual_seed(100 + r);
+      std::vector<at::Tensor> g = {at::randn({7}) * (r == 0 ? 1e8 : 1.0), at::randn({3, 4}),
+                                   r == 0 ? at::full({2}, 0.0f) : at::full({2}, -0.0f),
+                                   at::full({1}, r == 0 ? 1e8f : 1.0f)};
+      return g;
+    };
+    std::vector<at::Tensor> a = make(), b = make();
+    ASSERT_TRUE(group.all_reduce_sum(a).ok());
+    group.set_two_rank_all_reduce_for_testing(false);
+    ASSERT_TRUE(group.all_reduce_sum(b).ok());
+    group.set_two_rank_all_reduce_for_testing(true);
+    PairwiseSum one_leaf;
+    one_leaf.add_copy_of(make());
+    std::vector<at::Tensor> c = one_leaf.finish();
+    ASSERT_TRUE(group.all_reduce_sum(c).ok());
+    fast[r] = a, tree[r] = b, tiled[r] = c;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(fast[r].size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+      const at::Tensor f = fast[r][i], t = tree[r][i], c = tiled[r][i];
+      EXPECT_EQ(std::memcmp(f.data_ptr(), t.data_ptr(), f.nbytes()), 0) << "rank " << r << " " << i;
+      EXPECT_EQ(std::memcmp(c.data_ptr(), t.data_ptr(), c.nbytes()), 0) << "rank " << r << " " << i;
+    }
+    EXPECT_EQ(fast[r][3].item<float>(), 1e8f);  // 1e8 + 1 rounds to 1e8
   }
 }
 
