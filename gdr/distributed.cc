@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <new>
 
@@ -377,12 +378,13 @@ absl::Status reduction_failed(int rank, int world, const std::exception& e) {
                    error_text(e)));
 }
 
-// The one flat tensor that `tensors` tile in order (contiguous views of one storage, from
-// offset 0 to its end); undefined when they do not.
-at::Tensor tiled_buffer(const std::vector<at::Tensor>& tensors) {
+// A 1-D view of exactly `tensors` when they are contiguous views that follow each other in
+// one storage (as PairwiseSum::add_copy_of's copies do); undefined otherwise.
+at::Tensor consecutive_range(const std::vector<at::Tensor>& tensors) {
   if (tensors.empty()) return {};
   const c10::Storage& storage = tensors[0].storage();
-  int64_t offset = 0;
+  const int64_t start = tensors[0].storage_offset();
+  int64_t offset = start;
   for (const at::Tensor& t : tensors) {
     if (!t.is_contiguous() || !t.storage().is_alias_of(storage) || t.storage_offset() != offset ||
         t.scalar_type() != tensors[0].scalar_type()) {
@@ -390,8 +392,30 @@ at::Tensor tiled_buffer(const std::vector<at::Tensor>& tensors) {
     }
     offset += t.numel();
   }
-  if (static_cast<size_t>(offset) * tensors[0].element_size() != storage.nbytes()) return {};
-  return at::empty({0}, tensors[0].options()).set_(storage, 0, {offset}, {1});
+  return at::empty({0}, tensors[0].options()).set_(storage, start, {offset - start}, {1});
+}
+
+// All-reduces `tensors` in place with one collective: over the range they tile when they
+// tile one, else over a concatenated copy, copied back by the returned function once the
+// collective is done.
+std::pair<c10::intrusive_ptr<c10d::Work>, std::function<void()>> start_all_reduce(
+    c10d::Backend& backend, const std::vector<at::Tensor>& tensors) {
+  at::Tensor flat = consecutive_range(tensors);
+  std::function<void()> copy_back = [] {};
+  if (!flat.defined()) {
+    std::vector<at::Tensor> pieces;
+    for (const at::Tensor& t : tensors) pieces.push_back(t.reshape({-1}));
+    flat = at::cat(pieces);
+    copy_back = [flat, tensors] {
+      int64_t offset = 0;
+      for (const at::Tensor& t : tensors) {
+        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    };
+  }
+  std::vector<at::Tensor> io{flat};
+  return {backend.allreduce(io), std::move(copy_back)};
 }
 
 }  // namespace
@@ -439,22 +463,9 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
             " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
             tensors[i].device());
       }
-      at::Tensor flat = tiled_buffer(tensors);
-      const bool copied = !flat.defined();
-      if (copied) {
-        std::vector<at::Tensor> pieces;
-        for (const at::Tensor& t : tensors) pieces.push_back(t.reshape({-1}));
-        flat = at::cat(pieces);
-      }
-      std::vector<at::Tensor> io{flat};
-      backend().allreduce(io)->wait();
-      if (copied) {
-        int64_t offset = 0;
-        for (const at::Tensor& t : tensors) {
-          t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-          offset += t.numel();
-        }
-      }
+      auto [work, copy_back] = start_all_reduce(backend(), tensors);
+      work->wait();
+      copy_back();
       return absl::OkStatus();
     }
     // Buckets by bucket_ranges. Up to kBucketsInFlight all-gathers are queued before the
@@ -504,6 +515,46 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
   } catch (const std::exception& e) {
     return reduction_failed(env_.rank, world, e);
   }
+  return absl::OkStatus();
+}
+
+struct RangeAllReduce::State {
+  ProcessGroup* group = nullptr;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::function<void()>> copy_backs;
+};
+
+RangeAllReduce::RangeAllReduce(ProcessGroup& group) : state_(std::make_unique<State>()) {
+  TORCH_CHECK(group.world_size() == 2, "RangeAllReduce: expected a group of 2 ranks but got ",
+              group.world_size());
+  state_->group = &group;
+}
+
+RangeAllReduce::~RangeAllReduce() = default;
+
+void RangeAllReduce::start(const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].scalar_type() == at::kFloat, "RangeAllReduce::start: expected tensor ",
+                i, " FP32 but got ", tensors[i].scalar_type());
+  }
+  at::NoGradGuard no_grad;
+  auto [work, copy_back] = start_all_reduce(state_->group->backend(), tensors);
+  state_->works.push_back(std::move(work));
+  state_->copy_backs.push_back(std::move(copy_back));
+}
+
+absl::Status RangeAllReduce::finish() {
+  try {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < state_->works.size(); ++i) {
+      state_->works[i]->wait();
+      state_->copy_backs[i]();
+    }
+  } catch (const std::exception& e) {
+    return reduction_failed(state_->group->rank(), state_->group->world_size(), e);
+  }
+  state_->works.clear();
+  state_->copy_backs.clear();
   return absl::OkStatus();
 }
 

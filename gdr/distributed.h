@@ -102,11 +102,34 @@ class ProcessGroup {
 
  private:
   friend class OverlappedReduction;
+  friend class RangeAllReduce;
   c10d::Backend& backend() const;  // Gloo or NCCL, for the reductions in distributed.cc
   struct Impl;
   ProcessGroup(DistEnv env, std::unique_ptr<Impl> impl);
   DistEnv env_;
   std::unique_ptr<Impl> impl_;
+};
+
+// Note [Two-rank all-reduce], started range by range: with two ranks, in-place all-reduces
+// of consecutive ranges of the gradients' flat buffer, each started as soon as its range is
+// final, so the transfers of earlier ranges run while later ranges are still being summed
+// on the GPU (the trainer's last graphed microbatch, Note [Microbatch graphs]). The same
+// bits as all_reduce_sum: each element is the one addition of the two ranks' values.
+class RangeAllReduce {
+ public:
+  explicit RangeAllReduce(ProcessGroup& group);  // the group must have two ranks
+  // Starts the all-reduce of `tensors` (FP32 on the group's device), in place: one
+  // collective over the range they tile when they are consecutive views of one buffer (no
+  // copy), else over a concatenated copy that finish() copies back.
+  void start(const std::vector<at::Tensor>& tensors);
+  // Waits for every started all-reduce. Unavailable, naming the rank, when a peer died or
+  // timed out.
+  absl::Status finish();
+  ~RangeAllReduce();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 // Note [Overlapped gradient reduction] (train.overlap_grad_reduction): all_reduce_sum's

@@ -376,12 +376,18 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
   // microbatch's backward hands each parameter's final local sum to the cross-rank
   // reduction as soon as autograd produces its gradient.
-  // With microbatch graphs the reduction runs after the last replay: the hand-over needs
-  // an eager backward whose hooks call the backend, and that microbatch cost more host
-  // and GPU time than the overlap hid (docs/benchmarks.md, issue 7).
+  // With microbatch graphs the hand-over would need an eager backward whose hooks call the
+  // backend, and that microbatch cost more host and GPU time than the overlap hid
+  // (docs/benchmarks.md, issue 7): instead, with two ranks, the last replay's final sums
+  // go to RangeAllReduce bucket by bucket, each bucket's transfer running while later
+  // buckets are still being added up; with more ranks the reduction runs after the loop.
   const bool overlap =
       world > 1 && m.config.train.overlap_grad_reduction && m.graph_capture == nullptr;
+  const bool ranged_overlap =
+      world == 2 && m.config.train.overlap_grad_reduction && m.graph_capture != nullptr;
   std::unique_ptr<OverlappedReduction> overlapped;
+  std::unique_ptr<RangeAllReduce> ranged;
+  std::vector<at::Tensor> ranged_grads;
   for (size_t k = 0; k < mine.size(); ++k) {
     const at::Tensor ids = step_ids[static_cast<int64_t>(k)];
     const bool hand_over = overlap && k + 1 == mine.size();
@@ -398,6 +404,25 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
       g.work->replay();
       ++stats.graph_replays;
       losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
+      if (ranged_overlap && k + 1 == mine.size()) {
+        ranged = std::make_unique<RangeAllReduce>(*m.group);
+        ranged_grads.resize(g.leaf.size());
+        std::vector<at::Tensor> bucket;
+        int64_t elements = 0;
+        for (size_t i = 0; i < g.leaf.size(); ++i) {
+          // In place into the oldest partial sum, whose copies tile one buffer
+          // (PairwiseSum::add_copy_of), so each bucket is one range of it.
+          ranged_grads[i] = tree.finish_with_last(i, g.leaf[i]);
+          bucket.push_back(ranged_grads[i]);
+          elements += ranged_grads[i].numel();
+          if (elements >= ProcessGroup::kBucketElements || i + 1 == g.leaf.size()) {
+            ranged->start(bucket);
+            bucket.clear();
+            elements = 0;
+          }
+        }
+        continue;
+      }
       // The graph overwrites its leaf at the next replay.
       tree.add_copy_of(g.leaf);
       continue;
@@ -446,7 +471,12 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   }
   std::vector<at::Tensor> grads;
   const auto reduce_start = std::chrono::steady_clock::now();
-  if (overlapped != nullptr) {
+  if (ranged != nullptr) {
+    if (absl::Status s = ranged->finish(); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
+    }
+    grads = std::move(ranged_grads);
+  } else if (overlapped != nullptr) {
     absl::StatusOr<std::vector<at::Tensor>> reduced = overlapped->finish();
     if (!reduced.ok()) {
       return absl::UnavailableError(
@@ -461,7 +491,7 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     std::vector<std::vector<double>> losses;
     // Overlapped: the gradients are reduced already; only the losses are gathered.
     const std::vector<at::Tensor> to_reduce =
-        overlapped != nullptr ? std::vector<at::Tensor>{} : grads;
+        overlapped != nullptr || ranged != nullptr ? std::vector<at::Tensor>{} : grads;
     if (absl::Status s = m.group->all_reduce_sum(to_reduce, stats.microbatch_losses, &losses);
         !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));

@@ -5,6 +5,7 @@
 #include "gdr/distributed.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
@@ -239,10 +240,11 @@ TEST(ProcessGroupTest, TwoRankAllReduceEqualsTheGatherTree) {
   on_two_ranks([&](ProcessGroup& group) {
     const int r = group.rank();
     auto make = [&] {
-      at::manual_seed(100 + r);
-      std::vector<at::Tensor> g = {at::randn({7}) * (r == 0 ? 1e8 : 1.0), at::randn({3, 4}),
-                                   r == 0 ? at::full({2}, 0.0f) : at::full({2}, -0.0f),
-                                   at::full({1}, r == 0 ? 1e8f : 1.0f)};
+      // A generator of the rank's own: the two ranks are threads of one process.
+      at::Generator gen = at::detail::createCPUGenerator(100 + r);
+      std::vector<at::Tensor> g = {
+          at::randn({7}, gen) * (r == 0 ? 1e8 : 1.0), at::randn({3, 4}, gen),
+          r == 0 ? at::full({2}, 0.0f) : at::full({2}, -0.0f), at::full({1}, r == 0 ? 1e8f : 1.0f)};
       return g;
     };
     std::vector<at::Tensor> a = make(), b = make();
@@ -265,6 +267,43 @@ TEST(ProcessGroupTest, TwoRankAllReduceEqualsTheGatherTree) {
     }
     EXPECT_EQ(fast[r][3].item<float>(), 1e8f);  // 1e8 + 1 rounds to 1e8
   }
+}
+
+// RangeAllReduce gives all_reduce_sum's bits, in place, for tensors that tile one buffer
+// (one collective over their range, the caller's views updated) and for separate ones
+// (a concatenated copy, copied back by finish()).
+TEST(ProcessGroupTest, RangeAllReduceEqualsAllReduceSumInPlace) {
+  std::vector<std::vector<at::Tensor>> ranged(2), plain(2);
+  std::vector<at::Tensor> buffers(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    at::Generator gen = at::detail::createCPUGenerator(200 + r);
+    const at::Tensor buffer = at::randn({12}, gen) * (r == 0 ? 1e8 : 1.0);
+    std::vector<at::Tensor> tiled = {buffer.narrow(0, 0, 4).view({2, 2}), buffer.narrow(0, 4, 3),
+                                     buffer.narrow(0, 7, 5)};
+    std::vector<at::Tensor> separate = {at::randn({3}, gen), at::randn({2, 3}, gen)};
+    std::vector<at::Tensor> expected;
+    for (const at::Tensor& t : tiled) expected.push_back(t.clone());
+    for (const at::Tensor& t : separate) expected.push_back(t.clone());
+    RangeAllReduce reduction(group);
+    reduction.start({tiled[0], tiled[1]});
+    reduction.start({tiled[2]});
+    reduction.start(separate);
+    ASSERT_TRUE(reduction.finish().ok());
+    ASSERT_TRUE(group.all_reduce_sum(expected).ok());
+    for (const at::Tensor& t : tiled) ranged[r].push_back(t);
+    for (const at::Tensor& t : separate) ranged[r].push_back(t);
+    plain[r] = expected;
+    buffers[r] = buffer;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(ranged[r].size(), 5u);
+    for (size_t i = 0; i < 5; ++i) {
+      EXPECT_TRUE(at::equal(ranged[r][i], plain[r][i])) << "rank " << r << " tensor " << i;
+    }
+    EXPECT_TRUE(at::equal(buffers[r].narrow(0, 0, 4).view({2, 2}), plain[r][0]));
+  }
+  EXPECT_TRUE(at::equal(ranged[0][0], ranged[1][0]));
 }
 
 // Note [Overlapped gradient reduction]: ranks set their tensors in different orders (here
