@@ -23,10 +23,11 @@
 // each bucket is all-gathered, and every rank adds the W copies by the tree itself, so all
 // ranks compute the same bits and reruns are byte-identical. Costs: (1 + W) x 64 MiB per
 // queued bucket (up to kBucketsInFlight queued, so transfers run back to back), up to
-// log2(M) + 1 gradient copies while accumulating, no overlap with backward (on two H200s
-// the reduction is ~10% of a 0.8B step and DP=2 scales 1.97x without it; overlap and
-// sharded optimizer state are later steps). With NCCL the all-gather is NCCL's (pure
-// data movement, so NCCL_ALGO does not matter) and the tree runs on the GPU.
+// log2(M) + 1 gradient copies while accumulating. With NCCL the all-gather is NCCL's (pure
+// data movement, so NCCL_ALGO does not matter) and the tree runs on the GPU. Two ranks
+// skip the all-gather: one all-reduce gives the same bits (Note [Two-rank all-reduce] in
+// distributed.cc). Overlap with the backward: OverlappedReduction and RangeAllReduce below;
+// sharded optimizer state is future work.
 #pragma once
 
 #include <ATen/core/Tensor.h>
