@@ -44,9 +44,11 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
     Args:
       name: the cc_library's name.
       srcs: .cu files; each becomes one object (whole-program, no -rdc).
-      hdrs: headers of this library (visible to dependents and to nvcc).
-      deps: cc_library deps whose headers the .cu files include (headers only are
-            passed to nvcc; torch headers must not be among them).
+      hdrs: headers of this library, visible to dependents and the only headers (besides
+            the CUDA toolkit's) that nvcc sees: each .cu compiles in a genrule whose inputs
+            are the .cu and these, so a shared .cuh a kernel includes must be listed here.
+      deps: cc_library deps for dependents and the link; their headers do not reach nvcc
+            (torch headers must not reach it anyway).
       copts: extra nvcc flags.
       **kwargs: passed to the cc_library (visibility, tags, ...).
     """
