@@ -269,26 +269,26 @@ void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
     merge_equal_levels();
     return;
   }
-  // The copy tiles one flat buffer, in order (Note [Two-rank all-reduce]): the oldest copy
-  // is where every later leaf ends up, so the sum comes out as views of one buffer.
+  // The copy is FP32 (a 16-bit leaf widens exactly) and tiles one flat buffer, in order
+  // (Note [Two-rank all-reduce]): the oldest copy is where every later leaf ends up, so the
+  // sum comes out as views of one buffer.
   std::vector<at::Tensor> copy;
   copy.reserve(leaf.size());
-  bool same_options = true;
+  bool same_device = true;
   int64_t total = 0;
   for (const at::Tensor& t : leaf) {
-    same_options =
-        same_options && t.scalar_type() == leaf[0].scalar_type() && t.device() == leaf[0].device();
+    same_device = same_device && t.device() == leaf[0].device();
     total += t.numel();
   }
-  if (!leaf.empty() && same_options) {
-    const at::Tensor flat = at::empty({total}, leaf[0].options());
+  if (!leaf.empty() && same_device) {
+    const at::Tensor flat = at::empty({total}, leaf[0].options().dtype(at::kFloat));
     int64_t offset = 0;
     for (const at::Tensor& t : leaf) {
       copy.push_back(flat.narrow(0, offset, t.numel()).view(t.sizes()));
       offset += t.numel();
     }
   } else {
-    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
+    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t, at::kFloat));
   }
   at::_foreach_copy_(copy, leaf);
   add(std::move(copy));
@@ -309,6 +309,8 @@ at::Tensor PairwiseSum::finish_with_last(size_t i, at::Tensor last) {
     merge_newest();
   }
   while (stack.size() >= 2) merge_newest();
+  // A lone 16-bit leaf: the sum is FP32 like every partial sum (exact widening).
+  if (stack.back().second.scalar_type() != at::kFloat) return stack.back().second.to(at::kFloat);
   return stack.back().second;
 }
 

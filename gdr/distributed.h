@@ -175,8 +175,10 @@ class PairwiseSum {
   void add(std::vector<at::Tensor> leaf);
   // add() of a leaf the caller keeps and may overwrite afterwards (a CUDA graph's output
   // buffers, Note [Microbatch graphs]): when the leaf merges at once it is only read (added
-  // into the older partial sum, which add() would do too); otherwise it is copied first,
-  // with one multi-tensor copy. The same bits as add() of a copy.
+  // into the older FP32 partial sum, which add() would do too); otherwise it is copied
+  // first, into FP32. The leaf may be BF16/FP16: widening is exact and an FP32 += 16-bit
+  // add computes in FP32, so the bits are those of add() of the leaf widened to FP32,
+  // without a separate widening pass over the gradients.
   void add_copy_of(const std::vector<at::Tensor>& leaf);
   // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
   // add() of that leaf and then finish() would make for index i, in the same order (so the

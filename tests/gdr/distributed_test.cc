@@ -121,6 +121,37 @@ TEST(PairwiseSumTest, AddCopyOfEqualsAddOfACopy) {
   }
 }
 
+// A BF16 leaf (what a graphed bf16 microbatch hands over): add_copy_of and
+// finish_with_last give the bits of the same leaf widened to FP32 first, and FP32 sums.
+TEST(PairwiseSumTest, SixteenBitLeavesEqualTheirWidenedCopies) {
+  for (int n = 1; n <= 5; ++n) {
+    at::manual_seed(n);
+    std::vector<std::vector<at::Tensor>> leaves;
+    for (int k = 0; k < n; ++k) {
+      leaves.push_back(
+          {(at::randn({6}) * 1e3).to(at::kBFloat16), at::randn({2, 2}).to(at::kBFloat16)});
+    }
+    PairwiseSum widened, narrow, widened_last, narrow_last;
+    for (int k = 0; k < n; ++k) {
+      widened.add({leaves[k][0].to(at::kFloat), leaves[k][1].to(at::kFloat)});
+      narrow.add_copy_of(leaves[k]);
+      if (k + 1 < n) {
+        widened_last.add({leaves[k][0].to(at::kFloat), leaves[k][1].to(at::kFloat)});
+        narrow_last.add_copy_of(leaves[k]);
+      }
+    }
+    const std::vector<at::Tensor> want = widened.finish(), got = narrow.finish();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(got[i], want[i])) << n << " leaves, index " << i;
+      const at::Tensor last = narrow_last.finish_with_last(i, leaves[n - 1][i]);
+      EXPECT_EQ(last.scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(last, want[i])) << n << " leaves, finish_with_last, index " << i;
+    }
+  }
+}
+
 // finish_with_last(i, x) is add() of a leaf holding x at index i, then finish(), for
 // index i: the same bits, whatever the number of earlier leaves.
 TEST(PairwiseSumTest, FinishWithLastEqualsAddThenFinish) {
