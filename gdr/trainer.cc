@@ -127,12 +127,10 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
 struct MicrobatchGraph {
   at::Tensor ids;   // the graph's input: [batch, window] token ids
   at::Tensor loss;  // its outputs, overwritten by every replay
-  // The microbatch's gradient leaf (Note [Gradient reduction tree]): the parameters'
-  // gradients as backward left them (BF16 for bf16 training), in params order.
-  // PairwiseSum::add_copy_of widens them as it copies or adds them (one pass instead of a
-  // widening copy and then an add; the bits of the eager path's grad.to(kFloat) leaves).
-  // A first version widened per tensor outside the graph: ~300 launches per replay filled
-  // the stream's launch queue and held the host back to the GPU's pace.
+  // The microbatch's gradient leaf (Note [Gradient reduction tree]): one FP32 tensor per
+  // parameter, in params order, widened inside the graph so that a replay costs the host
+  // one launch; a host that launched ~300 widening copies per microbatch filled the
+  // stream's launch queue and ran only as far ahead of the GPU as the queue allowed.
   std::vector<at::Tensor> leaf;
   std::unique_ptr<CapturedWork> work;
 };
@@ -187,7 +185,7 @@ struct Trainer::Impl {
           const at::Tensor grad = params[i].grad();
           TORCH_CHECK(grad.defined(), "parameter ", names[i],
                       " got no gradient in the captured microbatch");
-          captured->leaf.push_back(grad);
+          captured->leaf.push_back(mixed() ? grad.to(at::kFloat) : grad);
         }
       });
     } catch (const c10::Error& e) {
