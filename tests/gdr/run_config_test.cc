@@ -76,6 +76,11 @@ TEST(RunConfigTest, OverridesAreTypedByTheSchema) {
   EXPECT_EQ(c->model.hidden_size, 32);
   EXPECT_EQ(c->train.metrics_path, "runs/m.jsonl");
   EXPECT_NE(c->config_text.find("steps: 5"), std::string::npos);
+  EXPECT_TRUE(c->train.cuda_graphs);  // the default
+  const absl::StatusOr<RunConfig> eager =
+      load_run_config("configs/train_tiny.yaml", {{"train.cuda_graphs", "false"}});
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  EXPECT_FALSE(eager->train.cuda_graphs);
 }
 
 TEST(RunConfigTest, ParsesOverrideFlags) {
@@ -131,6 +136,10 @@ INSTANTIATE_TEST_SUITE_P(
                   "optimizer:\n  impl: adam\n",
                   {},
                   "$: optimizer.impl: expected one of fused, loop but got 'adam'"},
+        ErrorCase{"bad_cuda_graphs",
+                  "train:\n  cuda_graphs: sometimes\n",
+                  {},
+                  "$: train.cuda_graphs: expected one of false, true but got 'sometimes'"},
         ErrorCase{"bad_nonfinite",
                   "train:\n  on_nonfinite: ignore\n",
                   {},
@@ -217,7 +226,8 @@ TEST(ResumeConfigTest, OutputsAndLoggingMayChange) {
                                        {"train.snapshot_dir", "snap"},
                                        {"train.checkpoint_dir", "ckpt"},
                                        {"train.metrics_path", "m.jsonl"},
-                                       {"train.log_every", "5"}}))
+                                       {"train.log_every", "5"},
+                                       {"train.cuda_graphs", "false"}}))
                   .empty());
 }
 

@@ -35,6 +35,11 @@ TEST(TrainerTest, TwoRunsOfThreeStepsAreByteIdentical) {
   EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
   EXPECT_EQ(a->optimizer_tensors().size(), 3 * a->master_parameters().size());
   EXPECT_EQ(a->data_position(), b->data_position());
+  // train.cuda_graphs is on by default and ignored on CPU: every microbatch runs eagerly.
+  EXPECT_TRUE(config.train.cuda_graphs);
+  const absl::StatusOr<StepStats> fourth = a->train_step();
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_EQ(fourth->graph_replays, 0);
 }
 
 // Note [Fused AdamW]: the fused update is the loop's formula on the same state; one step
