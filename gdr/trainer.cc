@@ -120,10 +120,14 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
 // otherwise host-bound: autograd, dispatch and ~2,000 kernel launches per microbatch take
 // the host longer than the GPU takes to run them. A replay launches the very kernels the
 // eager microbatch would, with the same arguments, in the same order, so the bits are the
-// same (trainer_gpu_test compares a graphed run with an eager one). The microbatch that
-// hands gradients to the overlapped cross-rank reduction (whose hooks call NCCL) stays
-// eager. Capture fails (with an error naming train.cuda_graphs) when an op synchronises
-// with the host; keep forward and backward free of .item() and pageable copies.
+// same (trainer_gpu_test compares a graphed run with an eager one). NCCL stays outside
+// the graph (its dead-peer timeout needs the host): under data parallelism every
+// microbatch is replayed and the reduction starts after the last replay (RangeAllReduce
+// with two ranks, see train_step_or_throw). Capture fails (with an error naming
+// train.cuda_graphs) when an op synchronises with the host; keep forward and backward free
+// of .item() and pageable copies. The graph's memory pool holds one microbatch's
+// activations for the run's lifetime (the 0.8B peak fell anyway, 26.9 -> 21.2 GiB, as the
+// eager microbatches' allocations went away).
 struct MicrobatchGraph {
   at::Tensor ids;   // the graph's input: [batch, window] token ids
   at::Tensor loss;  // its outputs, overwritten by every replay
