@@ -397,6 +397,23 @@ at::Tensor consecutive_range(const std::vector<at::Tensor>& tensors) {
   return at::empty({0}, tensors[0].options()).set_(storage, start, {offset - start}, {1});
 }
 
+// tensors[begin, end) flattened into one new 1-D tensor, in order.
+at::Tensor concat_flat(const std::vector<at::Tensor>& tensors, size_t begin, size_t end) {
+  std::vector<at::Tensor> pieces;
+  for (size_t i = begin; i < end; ++i) pieces.push_back(tensors[i].reshape({-1}));
+  return at::cat(pieces);
+}
+
+// The inverse of concat_flat: copies consecutive pieces of `flat` into tensors[begin, end).
+void copy_from_flat(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, size_t begin,
+                    size_t end) {
+  int64_t offset = 0;
+  for (size_t i = begin; i < end; ++i) {
+    tensors[i].copy_(flat.narrow(0, offset, tensors[i].numel()).view(tensors[i].sizes()));
+    offset += tensors[i].numel();
+  }
+}
+
 // All-reduces `tensors` in place with one collective: over the range they tile when they
 // tile one, else over a concatenated copy, copied back by the returned function once the
 // collective is done.
@@ -405,16 +422,8 @@ std::pair<c10::intrusive_ptr<c10d::Work>, std::function<void()>> start_all_reduc
   at::Tensor flat = consecutive_range(tensors);
   std::function<void()> copy_back = [] {};
   if (!flat.defined()) {
-    std::vector<at::Tensor> pieces;
-    for (const at::Tensor& t : tensors) pieces.push_back(t.reshape({-1}));
-    flat = at::cat(pieces);
-    copy_back = [flat, tensors] {
-      int64_t offset = 0;
-      for (const at::Tensor& t : tensors) {
-        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-        offset += t.numel();
-      }
-    };
+    flat = concat_flat(tensors, 0, tensors.size());
+    copy_back = [flat, tensors] { copy_from_flat(flat, tensors, 0, tensors.size()); };
   }
   std::vector<at::Tensor> io{flat};
   return {backend.allreduce(io), std::move(copy_back)};
@@ -449,6 +458,15 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
         gathered_extra->emplace_back(p, p + t.numel());
       }
     }
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(
+          tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
+          "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
+          " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
+          tensors[i].device());
+      numels.push_back(tensors[i].numel());
+    }
     if (world == 2 && impl_->two_rank_all_reduce && !tensors.empty()) {
       // Note [Two-rank all-reduce]: with two ranks every element of the sum is one FP32
       // addition, rank 0's value + rank 1's, and IEEE addition is commutative: whatever
@@ -458,13 +476,6 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       // all-gather but needs no copies, no sum pass and no host wait per bucket: one
       // collective over the flat buffer the gradients tile (PairwiseSum::add_copy_of makes
       // them so), else over a concatenated copy.
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        TORCH_CHECK(
-            tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
-            "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
-            " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
-            tensors[i].device());
-      }
       auto [work, copy_back] = start_all_reduce(backend(), tensors);
       work->wait();
       copy_back();
@@ -485,30 +496,13 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       InFlight bucket = std::move(in_flight.front());
       in_flight.pop_front();
       bucket.work->wait();
-      const at::Tensor sum = sum_over_ranks(bucket.gathered);
-      int64_t offset = 0;
-      for (size_t i = bucket.begin; i < bucket.end; ++i) {
-        const int64_t n = tensors[i].numel();
-        tensors[i].copy_(sum.narrow(0, offset, n).view(tensors[i].sizes()));
-        offset += n;
-      }
+      copy_from_flat(sum_over_ranks(bucket.gathered), tensors, bucket.begin, bucket.end);
     };
-    std::vector<int64_t> numels;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(
-          tensors[i].scalar_type() == at::kFloat && tensors[i].device().type() == device.type(),
-          "all_reduce_sum: expected tensor ", i, " FP32 on ", device.type(),
-          " (the process group's device) but got ", tensors[i].scalar_type(), " on ",
-          tensors[i].device());
-      numels.push_back(tensors[i].numel());
-    }
     for (const auto& [begin, end] : bucket_ranges(numels, bucket_elements)) {
-      std::vector<at::Tensor> flat;
-      for (size_t i = begin; i < end; ++i) flat.push_back(tensors[i].reshape({-1}));
       InFlight bucket;
       bucket.begin = begin;
       bucket.end = end;
-      bucket.input = at::cat(flat);
+      bucket.input = concat_flat(tensors, begin, end);
       bucket.work = start_allgather(backend(), world, bucket.input, &bucket.gathered);
       in_flight.push_back(std::move(bucket));
       if (static_cast<int>(in_flight.size()) >= kBucketsInFlight) finish_oldest();
