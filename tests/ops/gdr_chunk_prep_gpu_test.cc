@@ -20,6 +20,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -514,6 +515,26 @@ TEST_F(GdrCorePrepGpu, FusedNormKernelPrepMatchesTheCompositeInOutputsAndGradien
 // ---------------------------------------------------------------------------
 // Replays under load
 
+// Runs `core` and `op` 100 times each, alternating, while another stream loads the GPU;
+// counts the outputs of each that differ bitwise from `first_core` / `first_op`.
+using ReplayMismatches = std::pair<int, int>;
+ReplayMismatches replay_under_contention(const std::function<Results()>& core,
+                                         const Results& first_core,
+                                         const std::function<Results()>& op,
+                                         const Results& first_op) {
+  test_support::GpuContention load;
+  ReplayMismatches mismatches{0, 0};
+  for (int replay = 0; replay < 100; ++replay) {
+    const Results c = core();
+    for (size_t i = 0; i < c.size(); ++i)
+      mismatches.first += bitwise_equal(c[i], first_core[i]) ? 0 : 1;
+    const Results o = op();
+    for (size_t i = 0; i < o.size(); ++i)
+      mismatches.second += bitwise_equal(o[i], first_op[i]) ? 0 : 1;
+  }
+  return mismatches;
+}
+
 class GdrCorePrepReplays : public GdrCorePrepGpu,
                            public testing::WithParamInterface<at::ScalarType> {};
 
@@ -530,17 +551,10 @@ TEST_P(GdrCorePrepReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLo
   const std::vector<at::Tensor> up = make_upstream(x, kCuda.dtype(at::kFloat));
   const Results first_op = run_op(x, 0.088, up);
 
-  std::optional<test_support::GpuContention> load(std::in_place);
-  int core_mismatches = 0, op_mismatches = 0;
-  for (int replay = 0; replay < 100; ++replay) {
-    const Results core = run_core(x, w_o, w_s);
-    for (size_t i = 0; i < core.size(); ++i)
-      core_mismatches += bitwise_equal(core[i], first_core[i]) ? 0 : 1;
-    const Results op = run_op(x, 0.088, up);
-    for (size_t i = 0; i < op.size(); ++i)
-      op_mismatches += bitwise_equal(op[i], first_op[i]) ? 0 : 1;
-  }
-  load.reset();
+  const ReplayMismatches mismatches =
+      replay_under_contention([&] { return run_core(x, w_o, w_s); }, first_core,
+                              [&] { return run_op(x, 0.088, up); }, first_op);
+  const int core_mismatches = mismatches.first, op_mismatches = mismatches.second;
   EXPECT_EQ(op_mismatches, 0) << "the chunk prep op must give identical bits on every replay";
   EXPECT_EQ(core_mismatches, 0)
       << "gated_delta_rule_chunked (prep kernel, step 7 kernel) forward and gradients must give "
@@ -566,17 +580,10 @@ TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStr
   const std::vector<at::Tensor> up = make_fused_upstream(x);
   const Results first_op = run_fused_op(x, 0.088, up);
 
-  std::optional<test_support::GpuContention> load(std::in_place);
-  int core_mismatches = 0, op_mismatches = 0;
-  for (int replay = 0; replay < 100; ++replay) {
-    const Results core = run_fused_core(x, w_o, w_s);
-    for (size_t i = 0; i < core.size(); ++i)
-      core_mismatches += bitwise_equal(core[i], first_core[i]) ? 0 : 1;
-    const Results op = run_fused_op(x, 0.088, up);
-    for (size_t i = 0; i < op.size(); ++i)
-      op_mismatches += bitwise_equal(op[i], first_op[i]) ? 0 : 1;
-  }
-  load.reset();
+  const ReplayMismatches mismatches =
+      replay_under_contention([&] { return run_fused_core(x, w_o, w_s); }, first_core,
+                              [&] { return run_fused_op(x, 0.088, up); }, first_op);
+  const int core_mismatches = mismatches.first, op_mismatches = mismatches.second;
   EXPECT_EQ(op_mismatches, 0) << "the fused chunk prep op must give identical bits on every replay";
   EXPECT_EQ(core_mismatches, 0)
       << "gated_delta_rule_chunked with GdrQkNorm::kL2 (prep kernel, step 7 kernel) forward "
