@@ -15,6 +15,7 @@
 
 #include "kernels/causal_conv1d.h"
 #include "ops/causal_conv1d.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -215,14 +216,7 @@ TEST(CausalConvLaunch, BackwardGridIsAPureFunctionOfTheShapeWithFewPrograms) {
   EXPECT_FALSE(kernels::causal_conv_supports({2, 10, 0, 4}));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST(CausalConvSwitch, DefaultsToKernelReadsEveryCallAndNamesTheVariableOnABadValue) {
   unsetenv("GDR_CAUSAL_CONV");

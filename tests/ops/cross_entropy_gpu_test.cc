@@ -21,6 +21,7 @@
 
 #include "models/qwen/model.h"
 #include "ops/cross_entropy.h"
+#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -193,14 +194,7 @@ TEST(CrossEntropyGpuStreams, ForwardAndBackwardReplayFromACudaGraph) {
   EXPECT_TRUE(bitwise_equal(captured.second, eager.second));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST(CrossEntropyGpuErrors, OutOfRangeTargetsPoisonOnlyTheirRowAndDeviceMismatchIsNamed) {
   // Note [Cross-entropy target check]: no host sync on CUDA; a bad target (too large or

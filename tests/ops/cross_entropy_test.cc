@@ -16,6 +16,7 @@
 #include "kernels/cross_entropy.h"
 #include "models/qwen/model.h"
 #include "ops/cross_entropy.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -226,14 +227,7 @@ TEST(CrossEntropySwitch, CausalLmLossOnTheCpuIsTheCompositeWhateverTheSwitch) {
 // ---------------------------------------------------------------------------
 // Errors
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST(CrossEntropyErrors, MessagesNameTheArgumentWithExpectedAndActual) {
   const at::Tensor logits = at::randn({2, 5, 16});

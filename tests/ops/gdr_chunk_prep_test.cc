@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ops/gdr_core.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -248,14 +249,7 @@ TEST(ChunkPrepCpu, Fp32InputsComputeInFp32AndBf16GradientsComeBackInBf16) {
   (void)x64;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST(ChunkPrepChecks, ReportsTheArgumentAndExpectedVersusActual) {
   const Inputs x = make_inputs(Case{1, 10, 2, 4, 3, 8}, 1);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ops/gdr_core.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -199,14 +200,7 @@ class GdrCoreImplSwitch : public ::testing::Test {
   void TearDown() override { SetUp(); }
 };
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST_F(GdrCoreImplSwitch, DefaultsToTheKernelAndParsesBothNames) {
   EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);

@@ -16,6 +16,7 @@
 #include "ops/autotune.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_gate.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -333,14 +334,7 @@ TEST(GateTileOverride, ParsesTheEnvironmentFormat) {
   EXPECT_EQ(parse_gate_tile("128x16x256", "GDR_PRE_GDR_GATE_TILE"), (GateTile{128, 16, 256}));
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
-}
+using test_support::error_of;
 
 TEST(GateTileOverride, RefusesImpossibleTilesWithAClearMessage) {
   EXPECT_EQ(error_of([] { parse_gate_tile("128x16", "GDR_PRE_GDR_GATE_TILE"); }),

@@ -13,6 +13,7 @@
 
 #include "kernels/rms_norm.h"
 #include "ops/rms_norm.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
@@ -213,14 +214,7 @@ TEST(RmsNormCpu, ZeroRowsGiveEmptyOutputsAndZeroWeightGradient) {
 // ---------------------------------------------------------------------------
 // Switch and errors
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test_support::error_of;
 
 TEST(RmsNormSwitch, DefaultsToFusedReadsEveryCallAndNamesTheVariableOnABadValue) {
   unsetenv("GDR_RMS_NORM");
