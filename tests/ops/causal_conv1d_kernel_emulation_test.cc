@@ -23,13 +23,7 @@
 #include "kernels/causal_conv1d.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (see the NOTE in the .cuh).
-struct EmulatedIndex {
-  unsigned x = 0, y = 0, z = 0;
-};
-thread_local EmulatedIndex threadIdx, blockIdx;
-pthread_barrier_t g_block_barrier;
-
-void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
+#include "tests/ops/emulated_cuda.h"
 
 #define __device__
 #define __forceinline__ inline

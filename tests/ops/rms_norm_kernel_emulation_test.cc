@@ -22,25 +22,7 @@
 #include "kernels/rms_norm.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (see the NOTE in the .cuh).
-struct EmulatedIndex {
-  unsigned x = 0, y = 0, z = 0;
-};
-thread_local EmulatedIndex threadIdx, blockIdx, blockDim;
-pthread_barrier_t g_block_barrier;
-constexpr int kMaxWarps = 16;
-pthread_barrier_t g_warp_barrier[kMaxWarps];
-float g_warp_slot[kMaxWarps][32];
-
-void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
-
-float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
-  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  g_warp_slot[warp][lane] = v;
-  pthread_barrier_wait(&g_warp_barrier[warp]);
-  const float other = g_warp_slot[warp][lane ^ static_cast<unsigned>(lane_mask)];
-  pthread_barrier_wait(&g_warp_barrier[warp]);
-  return other;
-}
+#include "tests/ops/emulated_cuda.h"
 
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
@@ -56,26 +38,7 @@ namespace gdr::kernels {
 
 namespace {
 
-// Runs `body` as `blocks` blocks of `threads` host threads, one block at a time.
-template <typename Body>
-void run_grid(int64_t blocks, int threads, const Body& body) {
-  pthread_barrier_init(&g_block_barrier, nullptr, threads);
-  for (int w = 0; w < threads / 32; ++w) pthread_barrier_init(&g_warp_barrier[w], nullptr, 32);
-  for (int64_t b = 0; b < blocks; ++b) {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&body, b, t, threads] {
-        blockIdx.x = static_cast<unsigned>(b);
-        threadIdx.x = static_cast<unsigned>(t);
-        blockDim.x = static_cast<unsigned>(threads);
-        body(b);
-      });
-    }
-    for (std::thread& thread : pool) thread.join();
-  }
-  for (int w = 0; w < threads / 32; ++w) pthread_barrier_destroy(&g_warp_barrier[w]);
-  pthread_barrier_destroy(&g_block_barrier);
-}
+using test_support::run_grid;
 
 struct Case {
   bool gated;
