@@ -49,16 +49,8 @@ struct Timing {
 
 Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph_ms(fn)}; }
 
-// Graph time of a device-to-device copy moving `bytes` in total (bytes / 2 read, bytes / 2
-// written), the same traffic as an op with that compulsory traffic.
-double copy_ms(int64_t bytes) {
-  const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kByte);
-  at::Tensor src = at::empty({bytes / 2}, cuda), dst = at::empty({bytes / 2}, cuda);
-  return graph_ms([&] {
-    cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes / 2, cudaMemcpyDeviceToDevice,
-                    c10::cuda::getCurrentCUDAStream().stream());
-  });
-}
+// Graph time of the copy baseline for `bytes` of compulsory traffic.
+double copy_ms(int64_t bytes) { return graph_ms(bench::device_copy(bytes)); }
 
 struct Shape {
   int64_t batch, seq;

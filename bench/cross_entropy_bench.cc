@@ -75,15 +75,8 @@ void bench_shape(const Shape& s, at::ScalarType dtype) {
   const int64_t fwd_bytes = s.B * (s.T - 1) * s.V * elem;
   const int64_t fb_bytes = 2 * fwd_bytes + s.B * s.T * s.V * elem;
 
-  auto copy_ms = [&](int64_t bytes) {
-    at::Tensor src = at::empty({bytes / 2}, cuda.dtype(at::kByte));
-    at::Tensor dst = at::empty_like(src);
-    return graph_ms([&] {
-      cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes / 2, cudaMemcpyDeviceToDevice,
-                      c10::cuda::getCurrentCUDAStream().stream());
-    });
-  };
-  const double copy_fwd = copy_ms(fwd_bytes), copy_fb = copy_ms(fb_bytes);
+  const double copy_fwd = graph_ms(bench::device_copy(fwd_bytes)),
+               copy_fb = graph_ms(bench::device_copy(fb_bytes));
 
   auto fused_forward = [&] { causal_lm_cross_entropy_forward(logits, labels, kIgnore); };
   auto fused_forward_backward_ops = [&] {

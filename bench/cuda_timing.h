@@ -3,13 +3,16 @@
 // per call, median of the samples).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <vector>
@@ -60,6 +63,18 @@ inline double median_graph_ms(const std::function<void()>& fn, int calls_per_gra
     std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
     return -1.0;
   }
+}
+
+// The bandwidth baseline of an op whose compulsory traffic is `bytes`: a device-to-device
+// copy of bytes / 2 (bytes / 2 read, bytes / 2 written), as a callable to time on the
+// current stream; it owns its buffers.
+inline std::function<void()> device_copy(int64_t bytes) {
+  const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kByte);
+  const at::Tensor src = at::empty({bytes / 2}, options), dst = at::empty({bytes / 2}, options);
+  return [src, dst] {
+    cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(src.numel()),
+                    cudaMemcpyDeviceToDevice, c10::cuda::getCurrentCUDAStream().stream());
+  };
 }
 
 }  // namespace gdr::bench

@@ -69,20 +69,10 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
   const int64_t in_bytes = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t fwd_bytes = n * (2 * in_bytes + 2 * 4);                 // read a, b; write g, beta
   const int64_t bwd_bytes = n * (2 * in_bytes + 2 * 4 + 2 * in_bytes);  // + grads in, da/db out
-  at::Tensor copy_src = at::empty({fwd_bytes / 2}, cuda.dtype(at::kByte));
-  at::Tensor copy_dst = at::empty_like(copy_src);
-  at::Tensor copy_src_b = at::empty({bwd_bytes / 2}, cuda.dtype(at::kByte));
-  at::Tensor copy_dst_b = at::empty_like(copy_src_b);
 
   const Timing fwd = time_both([&] { pre_gdr_gate(a, b, A_log, dt_bias); });
-  const double copy_fwd = graph_ms([&] {
-    cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), fwd_bytes / 2,
-                    cudaMemcpyDeviceToDevice, c10::cuda::getCurrentCUDAStream().stream());
-  });
-  const double copy_bwd = graph_ms([&] {
-    cudaMemcpyAsync(copy_dst_b.data_ptr(), copy_src_b.data_ptr(), bwd_bytes / 2,
-                    cudaMemcpyDeviceToDevice, c10::cuda::getCurrentCUDAStream().stream());
-  });
+  const double copy_fwd = graph_ms(bench::device_copy(fwd_bytes));
+  const double copy_bwd = graph_ms(bench::device_copy(bwd_bytes));
   auto backward = [&] { pre_gdr_gate_backward(grad_g, grad_beta, a, b, A_log, dt_bias); };
   Timing bwd_atomic, bwd_ordered;
   std::string atomic_tile, ordered_tile;
