@@ -35,6 +35,7 @@
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
 #include "ops/causal_conv1d.h"
+#include "tests/ops/expect_close.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -75,25 +76,8 @@ Outputs run_ops(const Inputs& in) {
   return {y, dx, dw};
 }
 
-struct Tolerance {
-  double rtol, atol_rel;
-  double max_loose_fraction;  // elements allowed beyond FP32 noise
-};
-
-void expect_close(const at::Tensor& got, const at::Tensor& ref, const Tolerance& tol,
-                  const std::string& context) {
-  ASSERT_EQ(got.sizes(), ref.sizes()) << context;
-  ASSERT_EQ(got.scalar_type(), ref.scalar_type()) << context;
-  const at::Tensor f = got.to(at::kDouble), r = ref.to(at::kDouble);
-  const at::Tensor diff = (f - r).abs();
-  const double scale = r.abs().max().item<double>();
-  const at::Tensor bound = r.abs() * tol.rtol + tol.atol_rel * scale + 1e-12;
-  const double worst = (diff / bound).max().item<double>();
-  EXPECT_LE(worst, 1.0) << context << ": max |diff| " << diff.max().item<double>() << " (max |ref| "
-                        << scale << ")";
-  const double loose = (diff > r.abs() * 1e-5 + 1e-6 * scale).to(at::kDouble).mean().item<double>();
-  EXPECT_LE(loose, tol.max_loose_fraction) << context << ": fraction beyond FP32 noise";
-}
+using test_support::expect_close;
+using test_support::Tolerance;
 
 void expect_matches_composite(const Outputs& kernel, const Outputs& ref, at::ScalarType dtype,
                               const std::string& context) {

@@ -34,6 +34,7 @@
 #include "models/qwen/layers.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_full_fusion.h"
+#include "tests/ops/expect_close.h"
 
 namespace gdr {
 namespace {
@@ -99,25 +100,8 @@ Outputs run_ops(const Inputs& x) {
   return {out.q, out.k, out.v, out.g, out.beta, g.qkv, g.conv_weight, g.a, g.b, g.A_log, g.dt_bias};
 }
 
-struct Tolerance {
-  double rtol, atol_rel;
-  double max_loose_fraction;  // elements allowed beyond FP32 noise
-};
-
-void expect_close(const at::Tensor& fused, const at::Tensor& ref, const Tolerance& tol,
-                  const std::string& context) {
-  ASSERT_EQ(fused.sizes(), ref.sizes()) << context;
-  ASSERT_EQ(fused.scalar_type(), ref.scalar_type()) << context;
-  const at::Tensor f = fused.to(at::kDouble), r = ref.to(at::kDouble);
-  const at::Tensor diff = (f - r).abs();
-  const double scale = r.abs().max().item<double>();
-  const at::Tensor bound = r.abs() * tol.rtol + tol.atol_rel * scale + 1e-12;
-  const double worst = (diff / bound).max().item<double>();
-  EXPECT_LE(worst, 1.0) << context << ": max |diff| " << diff.max().item<double>() << " (max |ref| "
-                        << scale << ")";
-  const double loose = (diff > r.abs() * 1e-5 + 1e-6 * scale).to(at::kDouble).mean().item<double>();
-  EXPECT_LE(loose, tol.max_loose_fraction) << context << ": fraction beyond FP32 noise";
-}
+using test_support::expect_close;
+using test_support::Tolerance;
 
 void expect_outputs_close(const Outputs& fused, const Outputs& ref, at::ScalarType dtype,
                           const std::string& context) {
