@@ -21,6 +21,7 @@
 
 #include "models/qwen/model.h"
 #include "ops/cross_entropy.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
 
@@ -67,11 +68,7 @@ Result run(bool fused, const Problem& p, double g = 0.75) {
   return {loss.detach(), grad};
 }
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  return at::equal(x.contiguous().reshape({-1}).view(at::kByte),
-                   y.contiguous().reshape({-1}).view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 // Largest excess of |fused - ref| over rel * |ref| + abs (<= 0 means within tolerance).
 double excess(const at::Tensor& fused, const at::Tensor& ref, double rel, double abs) {

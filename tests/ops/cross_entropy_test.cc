@@ -16,6 +16,7 @@
 #include "kernels/cross_entropy.h"
 #include "models/qwen/model.h"
 #include "ops/cross_entropy.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 
 namespace gdr {
@@ -23,11 +24,7 @@ namespace {
 
 constexpr int64_t kIgnore = -100;
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  return at::equal(x.contiguous().reshape({-1}).view(at::kByte),
-                   y.contiguous().reshape({-1}).view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 struct Problem {
   at::Tensor logits;  // [B, T, V]

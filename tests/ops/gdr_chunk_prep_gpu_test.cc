@@ -29,6 +29,7 @@
 #include "kernels/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_core.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -36,11 +37,7 @@ namespace {
 
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (!x.defined() || !y.defined()) return x.defined() == y.defined();
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  return at::equal(x.contiguous().view(at::kByte), y.contiguous().view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 // max |x - ref| / max |ref| (ref in FP64 on the CPU).
 double relative_error(const at::Tensor& x, const at::Tensor& ref) {

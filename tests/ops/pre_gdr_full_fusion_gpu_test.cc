@@ -34,6 +34,7 @@
 #include "models/qwen/layers.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_full_fusion.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/expect_close.h"
 
 namespace gdr {
@@ -124,10 +125,7 @@ void expect_outputs_close(const Outputs& fused, const Outputs& ref, at::ScalarTy
   }
 }
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  return at::equal(x.contiguous().view(at::kByte), y.contiguous().view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 // Everything but the atomic sums (conv weight, A_log, dt_bias) must be bit-identical.
 void expect_same_bits_except_atomic_sums(const Outputs& x, const Outputs& y,

@@ -16,6 +16,7 @@
 #include "ops/autotune.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_gate.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -60,11 +61,7 @@ Outputs run_composite(const Inputs& x) {
   return {g.detach(), beta.detach(), grads[0], grads[1], grads[2], grads[3]};
 }
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  const at::Tensor xc = x.contiguous(), yc = y.contiguous();
-  return at::equal(xc.view(at::kByte), yc.view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 void expect_bitwise_equal(const Outputs& x, const Outputs& y, const std::string& context) {
   const char* names[] = {"g", "beta", "da", "db", "dA_log", "ddt_bias"};

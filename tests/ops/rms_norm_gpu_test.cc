@@ -14,6 +14,7 @@
 
 #include "models/qwen/layers.h"
 #include "ops/rms_norm.h"
+#include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -153,10 +154,7 @@ TEST(RmsNormGpuLayouts, ZeroRowsGiveEmptyOutputsAndZeroWeightGradient) {
   EXPECT_EQ(out[3].to(at::kFloat).abs().max().item<float>(), 0.0f);
 }
 
-bool bitwise_equal(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-  return at::equal(x.contiguous().view(at::kByte), y.contiguous().view(at::kByte));
-}
+using test_support::bitwise_equal;
 
 // Note [RMSNorm determinism]: 100 backward replays under load on other streams, bit for
 // bit, at the model's shapes (hidden 1024 over 8192 tokens; GDN norm over dv = 128).
