@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -43,10 +42,6 @@ double percentile(std::vector<double> v, double q) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Before any CUDA call: a CUDA launch queue 4x the default, so an eager step's ~2,000
-  // launches per microbatch do not stall the host on a full queue (an explicit setting wins;
-  // Note [Microbatch graphs] in gdr/trainer.cc).
-  setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
   std::string config_path, json_path;
   int64_t warmup = 5, steps = 50;
   std::vector<gdr::ConfigOverride> overrides;

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdlib>
+
 #include "gdr/cuda_graph.h"
 
 namespace gdr {
@@ -55,6 +57,11 @@ std::unique_ptr<CapturedWork> capture_cuda_graph(const std::function<void()>& bo
 
 const bool registered = [] {
   register_cuda_graph_capture(&capture_cuda_graph);
+  // Every CUDA trainer binary links this file, and static initialisation runs before the
+  // first CUDA call, which is when the driver reads this: a launch queue 4x the default,
+  // so an eager step's ~2,000 launches per microbatch do not stall the host on a full
+  // queue (an explicit setting wins; Note [Microbatch graphs] in gdr/trainer.cc).
+  setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
   return true;
 }();
 

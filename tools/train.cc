@@ -48,10 +48,6 @@ int fail(int code, absl::string_view message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Before any CUDA call: a CUDA launch queue 4x the default, so an eager step's ~2,000
-  // launches per microbatch do not stall the host on a full queue (an explicit setting wins;
-  // Note [Microbatch graphs] in gdr/trainer.cc).
-  setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
   // `bazel run` starts us inside the runfiles tree; paths on the command line and in the
   // config are meant relative to where the user typed the command.
   if (const char* wd = std::getenv("BUILD_WORKING_DIRECTORY"); wd != nullptr && *wd != '\0') {
