@@ -2,10 +2,14 @@
 // CUDA binaries; it needs libtorch_cuda (at::cuda::CUDAGraph and its private memory pools).
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdlib>
+#include <optional>
+#include <vector>
 
 #include "gdr/cuda_graph.h"
 
@@ -14,7 +18,11 @@ namespace {
 
 class CudaGraphWork final : public CapturedWork {
  public:
-  void capture(const std::function<void()>& body) {
+  ~CudaGraphWork() override {
+    for (cudaEvent_t event : marks_) cudaEventDestroy(event);
+  }
+
+  void capture(const std::function<void(CapturedWork&)>& body) {
     // Capture needs a stream other than the legacy default one; the side stream first
     // waits for everything already queued on the caller's stream (the body's inputs).
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
@@ -26,7 +34,7 @@ class CudaGraphWork final : public CapturedWork {
       c10::cuda::CUDAStreamGuard on_side(side);
       graph_.capture_begin();
       try {
-        body();
+        body(*this);
       } catch (...) {
         // End the broken capture so the stream and the allocator leave capture mode; the
         // body's error is the one worth reporting.
@@ -45,11 +53,48 @@ class CudaGraphWork final : public CapturedWork {
 
   void replay() override { graph_.replay(); }
 
+  size_t mark() override {
+    // The current stream of the calling thread: the body's, or, for a mark set in an
+    // autograd hook, the backward node's, which is the capture stream too (the engine runs
+    // a node on the stream its forward ran on).
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    TORCH_CHECK(status == cudaStreamCaptureStatusActive,
+                "CapturedWork::mark: expected to be called inside the capture body, on the "
+                "capturing stream, but the current stream is not capturing");
+    cudaEvent_t event = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    marks_.push_back(event);
+    // External: the graph keeps the record as a node, and every replay records the event
+    // when it passes that node (a plain record inside a capture only orders the capture).
+    C10_CUDA_CHECK(cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal));
+    return marks_.size() - 1;
+  }
+
+  void on_side_stream_after(size_t index, const std::function<void()>& work) override {
+    TORCH_CHECK(index < marks_.size(), "CapturedWork::on_side_stream_after: mark ", index,
+                " does not exist; the capture set ", marks_.size(), " marks");
+    if (!side_.has_value()) side_ = c10::cuda::getStreamFromPool();
+    C10_CUDA_CHECK(cudaStreamWaitEvent(side_->stream(), marks_[index], 0));
+    c10::cuda::CUDAStreamGuard on_side(*side_);
+    work();
+  }
+
+  void join_side_stream() override {
+    if (!side_.has_value()) return;
+    at::cuda::CUDAEvent side_done;
+    side_done.record(*side_);
+    side_done.block(c10::cuda::getCurrentCUDAStream());
+  }
+
  private:
   at::cuda::CUDAGraph graph_;
+  std::vector<cudaEvent_t> marks_;
+  std::optional<c10::cuda::CUDAStream> side_;
 };
 
-std::unique_ptr<CapturedWork> capture_cuda_graph(const std::function<void()>& body) {
+std::unique_ptr<CapturedWork> capture_cuda_graph(const std::function<void(CapturedWork&)>& body) {
   auto work = std::make_unique<CudaGraphWork>();
   work->capture(body);
   return work;

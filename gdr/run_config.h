@@ -16,7 +16,7 @@
 //               snapshot_dir ("" = none; a state snapshot after every step),
 //               on_nonfinite: stop | skip,
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
-//               overlap_grad_reduction: true | false (DP: reduce during the last backward)
+//               overlap_grad_reduction: true | false (sum / reduce during the last backward)
 //               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
 // Every section is optional except `model:`; a missing key keeps its default below.
 //
@@ -89,8 +89,10 @@ struct TrainConfig {
   std::string snapshot_dir;
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
   int64_t num_threads = 0;
-  // Data parallelism: start the gradient reduction during the last microbatch's backward
-  // (Note [Overlapped gradient reduction] in gdr/distributed.h); same bits either way.
+  // Start the gradient reduction during the last microbatch's backward: across ranks
+  // under data parallelism, and, with CUDA graphs, the sum over microbatches on one GPU too
+  // (Note [Overlapped gradient reduction] in gdr/distributed.h and gdr/trainer.cc); same
+  // bits either way.
   bool overlap_grad_reduction = true;
   // CUDA only (ignored on CPU): capture one microbatch's forward and backward into a CUDA
   // graph and replay it (Note [Microbatch graphs] in gdr/trainer.cc); same bits either way.

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adamw.h>
 
 #include <chrono>
@@ -131,12 +133,28 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
 struct MicrobatchGraph {
   at::Tensor ids;   // the graph's input: [batch, window] token ids
   at::Tensor loss;  // its outputs, overwritten by every replay
-  // The microbatch's gradient leaf (Note [Gradient reduction tree]): one FP32 tensor per
-  // parameter, in params order, widened inside the graph so that a replay costs the host
-  // one launch; a host that launched ~300 widening copies per microbatch filled the
-  // stream's launch queue and ran only as far ahead of the GPU as the queue allowed.
+  // The microbatch's gradient leaf (Note [Gradient reduction tree]): the parameters'
+  // gradients as backward left them (BF16 for bf16 training), in params order.
+  // PairwiseSum::add_copy_of and finish_with_last widen them as they copy or add them
+  // (one pass over the gradients instead of a widening copy and then an add; the bits of
+  // the eager path's grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
+  // tried first: ~300 launches per replay filled the stream's launch queue.
   std::vector<at::Tensor> leaf;
+  // grad_marks[i]: the mark (Note [Graph marks]) after which leaf[i] is final in a replay.
+  std::vector<size_t> grad_marks;
   std::unique_ptr<CapturedWork> work;
+};
+
+// Note [Graph marks]: sets `mark` to a new mark of `work` when autograd has stored the
+// parameter's gradient.
+class MarkWhenStored final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  MarkWhenStored(CapturedWork& work, size_t& mark) : work_(work), mark_(mark) {}
+  void operator()(const torch::autograd::Variable&) override { mark_ = work_.mark(); }
+
+ private:
+  CapturedWork& work_;
+  size_t& mark_;
 };
 
 struct Trainer::Impl {
@@ -180,20 +198,32 @@ struct Trainer::Impl {
     captured->ids = at::empty_like(ids);
     captured->ids.copy_(ids, /*non_blocking=*/true);
     try {
-      captured->work = graph_capture([&] {
+      captured->work = graph_capture([&](CapturedWork& work) {
         const at::Tensor loss = model->loss(captured->ids, captured->ids);
+        // Note [Graph marks]: a mark as each parameter's gradient is stored as .grad (a
+        // hook after autograd's accumulation, so the mark follows every kernel that wrote
+        // it, a layout-fixing copy included).
+        constexpr size_t kNoMark = static_cast<size_t>(-1);
+        captured->grad_marks.assign(params.size(), kNoMark);
+        for (size_t i = 0; i < params.size(); ++i) {
+          torch::autograd::impl::set_post_acc_grad_hooks(
+              params[i], std::make_unique<MarkWhenStored>(work, captured->grad_marks[i]));
+        }
         (loss / static_cast<double>(divisor)).backward();
+        for (at::Tensor& p : params) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
         captured->loss = loss.detach();
-        at::NoGradGuard no_grad;
         for (size_t i = 0; i < params.size(); ++i) {
           const at::Tensor grad = params[i].grad();
-          TORCH_CHECK(grad.defined(), "parameter ", names[i],
+          TORCH_CHECK(grad.defined() && captured->grad_marks[i] != kNoMark, "parameter ", names[i],
                       " got no gradient in the captured microbatch");
-          captured->leaf.push_back(mixed() ? grad.to(at::kFloat) : grad);
+          captured->leaf.push_back(grad);
         }
       });
     } catch (const c10::Error& e) {
-      for (at::Tensor& p : params) p.mutable_grad().reset();
+      for (at::Tensor& p : params) {
+        p.mutable_grad().reset();
+        torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+      }
       return absl::FailedPreconditionError(absl::StrCat(
           "train.cuda_graphs: capturing a microbatch's forward and backward into a CUDA graph "
           "failed (set train.cuda_graphs: false to run without graphs): ",
@@ -380,18 +410,21 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
   // microbatch's backward hands each parameter's final local sum to the cross-rank
   // reduction as soon as autograd produces its gradient.
-  // With microbatch graphs the hand-over would need an eager backward whose hooks call the
-  // backend, and that microbatch cost more host and GPU time than the overlap hid
-  // (docs/benchmarks.md, issue 7): instead, with two ranks, the last replay's final sums
-  // go to RangeAllReduce bucket by bucket, each bucket's transfer running while later
-  // buckets are still being added up; with more ranks the reduction runs after the loop.
+  // Graphed (Note [Microbatch graphs]): after the last replay is queued, a side stream
+  // waits for each parameter's mark (Note [Graph marks]), last parameter first as backward
+  // produces them, and adds that parameter's final local sum while the replay's backward
+  // goes on with earlier layers; with two ranks each 256 MiB range of the sums then goes
+  // to RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
+  // ranks the reduction runs after the loop. (Handing the gradients over from an eager
+  // last backward cost more host and GPU time than the overlap hid: docs/benchmarks.md,
+  // issue 7.) Eager runs with several ranks hand over from the last backward's hooks.
   const bool overlap =
       world > 1 && m.config.train.overlap_grad_reduction && m.graph_capture == nullptr;
-  const bool ranged_overlap =
-      world == 2 && m.config.train.overlap_grad_reduction && m.graph_capture != nullptr;
+  const bool overlap_graphed =
+      m.config.train.overlap_grad_reduction && m.graph_capture != nullptr && mine.size() >= 2;
   std::unique_ptr<OverlappedReduction> overlapped;
   std::unique_ptr<RangeAllReduce> ranged;
-  std::vector<at::Tensor> ranged_grads;
+  std::vector<at::Tensor> finished;  // overlap_graphed: the local sums, in params order
   for (size_t k = 0; k < mine.size(); ++k) {
     const at::Tensor ids = step_ids[static_cast<int64_t>(k)];
     const bool hand_over = overlap && k + 1 == mine.size();
@@ -408,28 +441,30 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
       g.work->replay();
       ++stats.graph_replays;
       losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
-      if (ranged_overlap && k + 1 == mine.size()) {
-        ranged = std::make_unique<RangeAllReduce>(*m.group);
-        ranged_grads.resize(g.leaf.size());
+      if (overlap_graphed && k + 1 == mine.size()) {
+        if (world == 2) ranged = std::make_unique<RangeAllReduce>(*m.group);
+        finished.resize(g.leaf.size());
         std::vector<at::Tensor> bucket;
         int64_t elements = 0;
-        // Last parameter first: the first transfer starts after a small bucket's additions
-        // (the embedding, a quarter of the 0.8B model's bytes, comes first in parameter
-        // order), and 256 MiB buckets run at ~300 GB/s where 64 MiB ones ran at ~230 on
-        // the H200 pair (docs/benchmarks.md).
+        // 256 MiB ranges ran at ~300 GB/s where 64 MiB ones ran at ~230 on the H200 pair
+        // (docs/benchmarks.md).
         constexpr int64_t kRangeElements = int64_t{64} << 20;
         for (size_t j = g.leaf.size(); j-- > 0;) {
-          // In place into the oldest partial sum, whose copies tile one buffer
-          // (PairwiseSum::add_copy_of), so each bucket is one range of it.
-          ranged_grads[j] = tree.finish_with_last(j, g.leaf[j]);
-          bucket.insert(bucket.begin(), ranged_grads[j]);
-          elements += ranged_grads[j].numel();
-          if (elements >= kRangeElements || j == 0) {
-            ranged->start(bucket);
-            bucket.clear();
-            elements = 0;
-          }
+          g.work->on_side_stream_after(g.grad_marks[j], [&] {
+            // In place into the oldest partial sum, whose copies tile one buffer
+            // (PairwiseSum::add_copy_of), so each range is one slice of it.
+            finished[j] = tree.finish_with_last(j, g.leaf[j]);
+            if (ranged == nullptr) return;
+            bucket.insert(bucket.begin(), finished[j]);
+            elements += finished[j].numel();
+            if (elements >= kRangeElements || j == 0) {
+              ranged->start(bucket);
+              bucket.clear();
+              elements = 0;
+            }
+          });
         }
+        g.work->join_side_stream();
         continue;
       }
       // The graph overwrites its leaf at the next replay.
@@ -484,7 +519,9 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     if (absl::Status s = ranged->finish(); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
     }
-    grads = std::move(ranged_grads);
+    grads = std::move(finished);
+  } else if (!finished.empty()) {
+    grads = std::move(finished);
   } else if (overlapped != nullptr) {
     absl::StatusOr<std::vector<at::Tensor>> reduced = overlapped->finish();
     if (!reduced.ok()) {

@@ -1,0 +1,88 @@
+// Note [Graph marks] on the GPU: work that waits for a mark sees everything the replay
+// wrote before the mark, on every replay, even when the graph spends milliseconds before
+// reaching it; marks are refused outside a capture; a capture that sets no marks refuses
+// a wait for one.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "gdr/cuda_graph.h"
+
+namespace gdr {
+namespace {
+
+CudaGraphCapture capture_or_die() {
+  CudaGraphCapture capture = cuda_graph_capture();
+  EXPECT_NE(capture, nullptr) << "//gdr:cuda_graph_cuda is linked, so capture is registered";
+  return capture;
+}
+
+// Several milliseconds of GPU work (chained 2048^2 matmuls) so that the side stream, were
+// it not held back by the mark, would read before the replay writes.
+void slow_work(at::Tensor& m) {
+  for (int i = 0; i < 40; ++i) m = at::mm(m, m).mul_(1.0 / 2048);
+}
+
+TEST(CudaGraphMarks, SideWorkAfterAMarkSeesTheReplaysWritesBeforeIt) {
+  CudaGraphCapture capture = capture_or_die();
+  ASSERT_NE(capture, nullptr);
+  const at::TensorOptions f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  at::Tensor input = at::zeros({1 << 20}, f32);    // written by the host before each replay
+  at::Tensor written = at::zeros({1 << 20}, f32);  // the graph copies input here, late
+  at::Tensor scratch = at::eye(2048, f32);
+  size_t before_copy = 0, after_copy = 0;
+  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork& w) {
+    before_copy = w.mark();
+    slow_work(scratch);
+    written.copy_(input);
+    after_copy = w.mark();
+    slow_work(scratch);
+  });
+  EXPECT_EQ(before_copy, 0u);
+  EXPECT_EQ(after_copy, 1u);
+  for (int replay = 1; replay <= 5; ++replay) {
+    input.fill_(static_cast<float>(replay));
+    work->replay();
+    at::Tensor seen;
+    work->on_side_stream_after(after_copy, [&] {
+      EXPECT_NE(c10::cuda::getCurrentCUDAStream(), c10::cuda::getDefaultCUDAStream())
+          << "the work runs on the side stream";
+      seen = written.clone();
+    });
+    work->join_side_stream();
+    EXPECT_TRUE(at::equal(seen, at::full_like(seen, static_cast<float>(replay))))
+        << "replay " << replay << ": the side stream read before the replay's copy";
+  }
+}
+
+TEST(CudaGraphMarks, MarkOutsideACaptureIsRefused) {
+  CudaGraphCapture capture = capture_or_die();
+  ASSERT_NE(capture, nullptr);
+  at::Tensor x = at::zeros({16}, at::TensorOptions().device(at::kCUDA));
+  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork&) { x.add_(1); });
+  try {
+    work->mark();
+    FAIL() << "mark() outside the capture body returned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("CapturedWork::mark: expected to be called inside the capture body"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  try {
+    work->on_side_stream_after(0, [] {});
+    FAIL() << "waiting for a mark the capture never set returned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("CapturedWork::on_side_stream_after: mark 0 does not exist; the "
+                        "capture set 0 marks"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+}  // namespace
+}  // namespace gdr
