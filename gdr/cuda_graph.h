@@ -20,9 +20,9 @@ class CapturedWork {
   // Note [Graph marks]: a mark is a point inside the captured work (everything the body
   // had queued when it called mark()) that other work can wait for without waiting for
   // the whole replay: the trainer starts adding up a parameter's gradient while the
-  // replayed backward is still producing the gradients of earlier layers. A mark is a CUDA
-  // event recorded by the graph itself (an external event node), so it costs a replay no
-  // host work.
+  // replayed backward is still producing the gradients of earlier layers. A mark is a flag
+  // the graph itself sets (a memset node) and the side stream waits for on the GPU, so it
+  // costs a replay no host work (implementation: gdr/cuda_graph_cuda.cc).
   //
   // Inside the capture body only: marks the current point; returns the mark's index
   // (0, 1, 2, ... in call order). Throws (c10::Error) outside a capture.
@@ -31,6 +31,7 @@ class CapturedWork {
   // stream; the side stream first waits for mark `index` of the latest replay. Successive
   // calls share the side stream, so their work runs in call order. Tensors the work
   // allocates must not outlive it unless the caller joins (below) before using them.
+  // Join before the next replay() (it throws otherwise): the replay clears the flags.
   virtual void on_side_stream_after(size_t index, const std::function<void()>& work) = 0;
   // The current stream waits for everything queued on the side stream so far.
   virtual void join_side_stream() = 0;

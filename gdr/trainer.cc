@@ -140,20 +140,34 @@ struct MicrobatchGraph {
   // the eager path's grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
   // tried first: ~300 launches per replay filled the stream's launch queue.
   std::vector<at::Tensor> leaf;
-  // grad_marks[i]: the mark (Note [Graph marks]) after which leaf[i] is final in a replay.
-  std::vector<size_t> grad_marks;
+  // Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
+  // last parameter first (each range's indices descending), and for each range the mark
+  // after which its gradients are final in a replay. Empty when captured without marks
+  // (train.overlap_grad_reduction off, or one microbatch per step).
+  std::vector<std::vector<size_t>> ranges;
+  std::vector<size_t> range_marks;
   std::unique_ptr<CapturedWork> work;
 };
 
-// Note [Graph marks]: sets `mark` to a new mark of `work` when autograd has stored the
-// parameter's gradient.
-class MarkWhenStored final : public torch::autograd::PostAccumulateGradHook {
+// 256 MiB of FP32 gradients: the granularity of the overlapped sum and of the ranged
+// two-rank all-reduce. Ranges of 256 MiB ran at ~300 GB/s where 64 MiB ones ran at ~230 on
+// the H200 pair (docs/benchmarks.md).
+constexpr int64_t kRangeElements = int64_t{64} << 20;
+
+// Note [Graph marks]: counts down a range's parameters as autograd stores their gradients
+// and sets the range's mark when the last one is stored (a hook after the accumulation, so
+// the mark follows every kernel that wrote them, a layout-fixing copy included).
+class MarkWhenRangeStored final : public torch::autograd::PostAccumulateGradHook {
  public:
-  MarkWhenStored(CapturedWork& work, size_t& mark) : work_(work), mark_(mark) {}
-  void operator()(const torch::autograd::Variable&) override { mark_ = work_.mark(); }
+  MarkWhenRangeStored(CapturedWork& work, size_t& pending, size_t& mark)
+      : work_(work), pending_(pending), mark_(mark) {}
+  void operator()(const torch::autograd::Variable&) override {
+    if (--pending_ == 0) mark_ = work_.mark();
+  }
 
  private:
   CapturedWork& work_;
+  size_t& pending_;
   size_t& mark_;
 };
 
@@ -193,30 +207,48 @@ struct Trainer::Impl {
 
   // Captures one microbatch (forward, loss, backward of loss / divisor) on `ids`'s shape
   // into `graph`; the parameters' .grad are left empty.
-  absl::Status capture_microbatch(const at::Tensor& ids, int64_t divisor) {
+  // With `marks`, a mark follows each parameter's gradient (Note [Graph marks]).
+  absl::Status capture_microbatch(const at::Tensor& ids, int64_t divisor, bool marks) {
     auto captured = std::make_unique<MicrobatchGraph>();
     captured->ids = at::empty_like(ids);
     captured->ids.copy_(ids, /*non_blocking=*/true);
     try {
       captured->work = graph_capture([&](CapturedWork& work) {
         const at::Tensor loss = model->loss(captured->ids, captured->ids);
-        // Note [Graph marks]: a mark as each parameter's gradient is stored as .grad (a
-        // hook after autograd's accumulation, so the mark follows every kernel that wrote
-        // it, a layout-fixing copy included).
+        // Note [Graph marks]
         constexpr size_t kNoMark = static_cast<size_t>(-1);
-        captured->grad_marks.assign(params.size(), kNoMark);
-        for (size_t i = 0; i < params.size(); ++i) {
-          torch::autograd::impl::set_post_acc_grad_hooks(
-              params[i], std::make_unique<MarkWhenStored>(work, captured->grad_marks[i]));
+        std::vector<size_t> pending;
+        if (marks) {
+          int64_t elements = 0;
+          for (size_t j = params.size(); j-- > 0;) {
+            if (elements == 0) captured->ranges.emplace_back();
+            captured->ranges.back().push_back(j);
+            elements += params[j].numel();
+            if (elements >= kRangeElements) elements = 0;
+          }
+          captured->range_marks.assign(captured->ranges.size(), kNoMark);
+          pending.resize(captured->ranges.size());
+          for (size_t r = 0; r < captured->ranges.size(); ++r) {
+            pending[r] = captured->ranges[r].size();
+            for (size_t j : captured->ranges[r]) {
+              torch::autograd::impl::set_post_acc_grad_hooks(
+                  params[j], std::make_unique<MarkWhenRangeStored>(work, pending[r],
+                                                                   captured->range_marks[r]));
+            }
+          }
         }
         (loss / static_cast<double>(divisor)).backward();
         for (at::Tensor& p : params) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
         captured->loss = loss.detach();
         for (size_t i = 0; i < params.size(); ++i) {
           const at::Tensor grad = params[i].grad();
-          TORCH_CHECK(grad.defined() && captured->grad_marks[i] != kNoMark, "parameter ", names[i],
+          TORCH_CHECK(grad.defined(), "parameter ", names[i],
                       " got no gradient in the captured microbatch");
           captured->leaf.push_back(grad);
+        }
+        for (size_t r = 0; r < captured->range_marks.size(); ++r) {
+          TORCH_CHECK(captured->range_marks[r] != kNoMark, "gradient range ", r,
+                      " got no mark in the captured microbatch");
         }
       });
     } catch (const c10::Error& e) {
@@ -432,7 +464,7 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     if (!hand_over && m.graph_capture != nullptr && m.eager_microbatches > 0) {
       // Note [Microbatch graphs]
       if (m.graph == nullptr) {
-        if (absl::Status s = m.capture_microbatch(ids, world * accum); !s.ok()) {
+        if (absl::Status s = m.capture_microbatch(ids, world * accum, overlap_graphed); !s.ok()) {
           return absl::InternalError(absl::StrCat("step ", stats.step, ": ", s.message()));
         }
       }
@@ -441,27 +473,19 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
       g.work->replay();
       ++stats.graph_replays;
       losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
-      if (overlap_graphed && k + 1 == mine.size()) {
+      if (overlap_graphed && !g.ranges.empty() && k + 1 == mine.size()) {
         if (world == 2) ranged = std::make_unique<RangeAllReduce>(*m.group);
         finished.resize(g.leaf.size());
-        std::vector<at::Tensor> bucket;
-        int64_t elements = 0;
-        // 256 MiB ranges ran at ~300 GB/s where 64 MiB ones ran at ~230 on the H200 pair
-        // (docs/benchmarks.md).
-        constexpr int64_t kRangeElements = int64_t{64} << 20;
-        for (size_t j = g.leaf.size(); j-- > 0;) {
-          g.work->on_side_stream_after(g.grad_marks[j], [&] {
-            // In place into the oldest partial sum, whose copies tile one buffer
-            // (PairwiseSum::add_copy_of), so each range is one slice of it.
-            finished[j] = tree.finish_with_last(j, g.leaf[j]);
-            if (ranged == nullptr) return;
-            bucket.insert(bucket.begin(), finished[j]);
-            elements += finished[j].numel();
-            if (elements >= kRangeElements || j == 0) {
-              ranged->start(bucket);
-              bucket.clear();
-              elements = 0;
+        for (size_t r = 0; r < g.ranges.size(); ++r) {
+          g.work->on_side_stream_after(g.range_marks[r], [&] {
+            std::vector<at::Tensor> range;
+            for (size_t j : g.ranges[r]) {
+              // In place into the oldest partial sum, whose copies tile one buffer
+              // (PairwiseSum::add_copy_of), so a range is one slice of it.
+              finished[j] = tree.finish_with_last(j, g.leaf[j]);
+              range.insert(range.begin(), finished[j]);
             }
+            if (ranged != nullptr) ranged->start(range);
           });
         }
         g.work->join_side_stream();

@@ -33,6 +33,7 @@ TEST(CudaGraphMarks, SideWorkAfterAMarkSeesTheReplaysWritesBeforeIt) {
   at::Tensor input = at::zeros({1 << 20}, f32);    // written by the host before each replay
   at::Tensor written = at::zeros({1 << 20}, f32);  // the graph copies input here, late
   at::Tensor scratch = at::eye(2048, f32);
+  at::mm(scratch, scratch);  // cuBLAS creates its handle outside the capture
   size_t before_copy = 0, after_copy = 0;
   std::unique_ptr<CapturedWork> work = capture([&](CapturedWork& w) {
     before_copy = w.mark();
@@ -82,6 +83,32 @@ TEST(CudaGraphMarks, MarkOutsideACaptureIsRefused) {
               std::string::npos)
         << e.what_without_backtrace();
   }
+}
+
+TEST(CudaGraphMarks, ReplayBeforeJoiningTheSideStreamIsRefused) {
+  CudaGraphCapture capture = capture_or_die();
+  ASSERT_NE(capture, nullptr);
+  at::Tensor x = at::zeros({16}, at::TensorOptions().device(at::kCUDA));
+  size_t after_add = 0;
+  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork& w) {
+    x.add_(1);
+    after_add = w.mark();
+  });
+  work->replay();
+  work->on_side_stream_after(after_add, [] {});
+  try {
+    work->replay();
+    FAIL() << "a replay with the side stream not joined returned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("CapturedWork::replay: join_side_stream() first"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  work->join_side_stream();
+  work->replay();
+  work->join_side_stream();
+  EXPECT_TRUE(at::equal(x, at::full_like(x, 2.0f))) << "two replays of x += 1";
 }
 
 }  // namespace
