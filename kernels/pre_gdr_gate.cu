@@ -303,7 +303,7 @@ constexpr int kBackwardBatch = 4;
 // adds a chunk, not the order within it).
 constexpr int kReduceChunks = 32;
 constexpr int kReduceMaxChunksPerThread = kReduceChunks / (kReduceThreads / 32);
-constexpr int kReduceLoadUnroll = 4;  // programs of each chunk loaded per round
+constexpr int kReduceLoadUnroll = 2;  // programs of each chunk loaded per round
 
 template <typename Param>
 __device__ __forceinline__ void ordered_sum_slot_group(
@@ -356,7 +356,7 @@ __device__ __forceinline__ void ordered_sum_slot_group(
   __syncthreads();
   if (warp == 0 && slot < slots) {
     float total = 0.0f;
-#pragma unroll
+#pragma unroll 8
     for (int c = 0; c < kReduceChunks; ++c) total += chunk_sums[c][lane];
     if (slot < heads) {
       store_from_float(dA_log + slot, total);
