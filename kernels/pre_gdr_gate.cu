@@ -12,6 +12,7 @@
 
 #include <cuda/atomic>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -163,6 +164,125 @@ __global__ void __launch_bounds__(kForwardThreads)
   }
 }
 
+// Vectorised forward (the common case: every operand contiguous [tokens, heads], heads a
+// multiple of kForwardVec, a and b aligned to kForwardVec elements, heads <= the table).
+// Each thread owns kForwardVec adjacent heads for its whole life: a block is `rows`
+// token rows of `lanes = heads / kForwardVec` threads, so thread t covers the flat
+// elements base + t * kForwardVec + [0, kForwardVec) of every row group, and its head
+// offset (t % lanes) * kForwardVec is fixed. Per element that removes the index division,
+// the per-element table lookups and the table/no-table branch of the scalar kernel, and
+// it loads a and b as one 8-byte (16-bit types) or 16-byte (FP32) vector and stores g and
+// beta as float4. The math is the scalar kernel's, call for call (gate_softplus,
+// gate_sigmoid, the same -expf(A_log) table), so every output bit is the same.
+// Items (token-row groups) per thread: all loads issued before the math, as in the scalar
+// kernel.
+constexpr int kForwardVec = 4;
+
+template <typename In>
+struct InVec;  // kForwardVec elements of In, loaded as one aligned vector
+template <>
+struct InVec<float> {
+  using Raw = float4;
+  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+  }
+};
+template <>
+struct InVec<__nv_bfloat16> {
+  using Raw = uint2;
+  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
+    // Exact widening, the same bits as __bfloat162float on each element.
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  }
+};
+template <>
+struct InVec<__half> {
+  using Raw = uint2;
+  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&r.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&r.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  }
+};
+
+template <typename In>
+__device__ __forceinline__ void load_vec(const In* p, float (&v)[4]) {
+  using Raw = typename InVec<In>::Raw;
+  InVec<In>::unpack(__ldg(reinterpret_cast<const Raw*>(p)), v);
+}
+
+// softplus with the threshold as a select rather than a branch around log1pf: the same
+// calls in the same order (so the same bits as gate_softplus), without the per-element
+// branch bookkeeping. log1pf(expf(pre)) above the threshold is computed and discarded.
+__device__ __forceinline__ float gate_softplus_select(float pre) {
+  const float sp = log1pf(expf(pre));
+  return pre > kSoftplusThreshold ? pre : sp;
+}
+
+// gate_softplus_and_grad in the same select form: the same calls (one expf, log1pf, and
+// z / (z + 1)) and so the same bits below the threshold, pre and 1 above it.
+__device__ __forceinline__ void gate_softplus_and_grad_select(float pre, float& softplus,
+                                                              float& grad) {
+  const float z = expf(pre);
+  const float sp = log1pf(z);
+  const float gr = z / (z + 1.0f);
+  const bool above = pre > kSoftplusThreshold;
+  softplus = above ? pre : sp;
+  grad = above ? 1.0f : gr;
+}
+
+template <typename In, typename Param, int kItems>
+__global__ void __launch_bounds__(kForwardThreads)
+    gate_forward_vec_kernel(GateForwardArgs args, int32_t total, int32_t lanes, int32_t row_group) {
+  __shared__ float neg_exp_A_table[kForwardTableHeads];
+  __shared__ float dt_table[kForwardTableHeads];
+  const int32_t heads = lanes * kForwardVec;
+  for (int32_t h = threadIdx.x; h < heads; h += blockDim.x) {
+    neg_exp_A_table[h] = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
+    dt_table[h] = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
+  }
+  __syncthreads();
+  // row_group = (blockDim.x / lanes) * heads elements: the threads past the last full
+  // token row of the block have nothing to do.
+  const int32_t offset = static_cast<int32_t>(threadIdx.x) * kForwardVec;
+  if (offset >= row_group) return;
+  const int32_t h0 = (static_cast<int32_t>(threadIdx.x) % lanes) * kForwardVec;
+  float neg_exp_A[kForwardVec], dt[kForwardVec];
+#pragma unroll
+  for (int j = 0; j < kForwardVec; ++j) {
+    neg_exp_A[j] = neg_exp_A_table[h0 + j];
+    dt[j] = dt_table[h0 + j];
+  }
+  const In* a = static_cast<const In*>(args.a.data);
+  const In* b = static_cast<const In*>(args.b.data);
+  const int32_t base = static_cast<int32_t>(blockIdx.x) * (row_group * kItems) + offset;
+  float a_val[kItems][kForwardVec], b_val[kItems][kForwardVec];
+#pragma unroll
+  for (int item = 0; item < kItems; ++item) {
+    const int32_t e = base + item * row_group;
+    if (e < total) {  // total is a multiple of kForwardVec: a vector is all in or all out
+      load_vec(a + e, a_val[item]);
+      load_vec(b + e, b_val[item]);
+    }
+  }
+#pragma unroll
+  for (int item = 0; item < kItems; ++item) {
+    const int32_t e = base + item * row_group;
+    if (e < total) {
+      float g[kForwardVec], beta[kForwardVec];
+#pragma unroll
+      for (int j = 0; j < kForwardVec; ++j) {
+        g[j] = neg_exp_A[j] * gate_softplus_select(a_val[item][j] + dt[j]);
+        beta[j] = gate_sigmoid(b_val[item][j]);
+      }
+      *reinterpret_cast<float4*>(args.g + e) = make_float4(g[0], g[1], g[2], g[3]);
+      *reinterpret_cast<float4*>(args.beta + e) = make_float4(beta[0], beta[1], beta[2], beta[3]);
+    }
+  }
+}
+
 // One program = block_t tokens x block_h heads. Thread (row, lane) owns head
 // blockIdx.y * block_h + lane and walks tokens row, row + rows, ... of the tile in batches
 // of kBackwardBatch (all loads of a batch before its stores, as in the forward), keeping
@@ -170,29 +290,100 @@ __global__ void __launch_bounds__(kForwardThreads)
 // shared memory in row order. The in-block sum is thus a fixed order in every mode.
 constexpr int kBackwardBatch = 4;
 
+// Note [Gate ordered sum]: the fixed order in which both ordered variants add the
+// programs' partial rows, a pure function of programs_t (P) alone. The P rows are cut
+// into kReduceChunks contiguous chunks of L = ceil(P / kReduceChunks) programs; each
+// chunk is summed from 0.0f in program order, and the chunk sums are then added from
+// 0.0f in chunk order. One block of 32 slot lanes x W warps computes a group of 32
+// slots: warp w sums chunks w, w + W, ... (kReduceChunks / W of them, independent, so
+// their loads are in flight together), the chunk sums meet in shared memory and warp 0
+// adds them. gate_reduce_partials_kernel (one block per slot group) and the single-pass
+// tail (one block walking the slot groups) both call ordered_sum_slot_group, so they
+// give the same bits by construction, whatever their block sizes (W only decides who
+// adds a chunk, not the order within it).
+constexpr int kReduceChunks = 32;
+constexpr int kReduceMaxChunksPerThread = kReduceChunks / (kReduceThreads / 32);
+constexpr int kReduceLoadUnroll = 2;  // programs of each chunk loaded per round
+
+template <typename Param>
+__device__ __forceinline__ void ordered_sum_slot_group(
+    const float* partials, int64_t programs_t, int64_t heads, int64_t slot_base, Param* dA_log,
+    Param* ddt_bias, float (&chunk_sums)[kReduceChunks][kReduceSlotsPerBlock]) {
+  const int lane = threadIdx.x % kReduceSlotsPerBlock;
+  const int warp = threadIdx.x / kReduceSlotsPerBlock;
+  const int warps = blockDim.x / kReduceSlotsPerBlock;
+  const int64_t slots = 2 * heads;
+  const int64_t slot = slot_base + lane;
+  const int64_t chunk_len = (programs_t + kReduceChunks - 1) / kReduceChunks;
+  // Chunk k of this thread: `count[k]` programs from `row[k]` on (0 when the chunk, the
+  // slot or the programs run out), read one row (slots floats) apart.
+  float acc[kReduceMaxChunksPerThread];
+  const float* row[kReduceMaxChunksPerThread];
+  int64_t count[kReduceMaxChunksPerThread];
+#pragma unroll
+  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
+    const int64_t chunk = warp + k * warps;
+    const int64_t first = chunk * chunk_len;
+    acc[k] = 0.0f;
+    row[k] = partials + first * slots + slot;
+    count[k] = chunk < kReduceChunks && slot < slots && first < programs_t
+                   ? min(chunk_len, programs_t - first)
+                   : 0;
+  }
+#pragma unroll 1  // one round of loads at a time: few live registers
+  for (int64_t i0 = 0; i0 < chunk_len; i0 += kReduceLoadUnroll) {
+    float v[kReduceLoadUnroll][kReduceMaxChunksPerThread];
+#pragma unroll
+    for (int u = 0; u < kReduceLoadUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
+        v[u][k] = i0 + u < count[k] ? __ldcg(row[k] + (i0 + u) * slots) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceLoadUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
+        if (i0 + u < count[k]) acc[k] += v[u][k];
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
+    const int chunk = warp + k * warps;
+    if (chunk < kReduceChunks) chunk_sums[chunk][lane] = acc[k];
+  }
+  __syncthreads();
+  if (warp == 0 && slot < slots) {
+    float total = 0.0f;
+#pragma unroll 8
+    for (int c = 0; c < kReduceChunks; ++c) total += chunk_sums[c][lane];
+    if (slot < heads) {
+      store_from_float(dA_log + slot, total);
+    } else {
+      store_from_float(ddt_bias + (slot - heads), total);
+    }
+  }
+  __syncthreads();  // chunk_sums is reused by the next group
+}
+
 // Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
 // its partial row, then takes a ticket from an unsigned counter; the program that draws
 // the last ticket sums all partial rows itself and resets the counter to 0 for the next
 // launch that uses it. The integer ticket only elects who sums; it carries no data. The
-// last program adds the rows in exactly the order of gate_reduce_partials_kernel
-// (kReduceRows virtual rows per slot, row r summing programs r, r + kReduceRows, ... in
-// program order, then the rows added in row order), so the single-pass and two-pass
-// variants give the same bits and choosing between them is a matter of speed alone. It
-// saves the second launch, which dominates at small (launch-bound) shapes.
+// last program adds the rows with ordered_sum_slot_group, as gate_reduce_partials_kernel
+// does (Note [Gate ordered sum]), so the single-pass and two-pass variants give the same
+// bits and choosing between them is a matter of speed alone. It saves the second launch,
+// which dominates at small (launch-bound) shapes. The tail spreads each 32-slot group
+// over all the block's threads (at least 8 warps, each summing up to 4 contiguous chunks
+// with their loads in flight together) and keeps few values live, so it does not raise
+// the kernel's register count (which the main loop's occupancy pays for).
 //
 // Counters: a fixed device array, zero at module load, so no allocation or memset is
 // needed (not even under graph capture). The host hands each eager stream one slot and
 // each captured launch a slot of its own (ops/pre_gdr_gate_cuda.cc), so two launches
 // that may run concurrently never share a counter.
 __device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
-
-// Tail layout: 32 slot lanes x (threads / 32) thread rows, each thread owning
-// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 256).
-// Each round loads kTailUnroll programs of every owned virtual row before adding, so a
-// 32-slot group of up to 256 partial rows is one round of independent loads: the tail's
-// latency is then about one L2 round trip (this instantiation alone pays the registers).
-constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
-constexpr int kTailUnroll = kSinglePassTailUnroll;
 
 template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
 __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
@@ -246,7 +437,7 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
         const Index t = t0 + k * rows;
         if (t < t_end) {
           float softplus, softplus_grad;
-          gate_softplus_and_grad(a_val[k] + dt, softplus, softplus_grad);
+          gate_softplus_and_grad_select(a_val[k] + dt, softplus, softplus_grad);
           const float g = neg_exp_A * softplus;
           const float da_value = dg[k] * (neg_exp_A * softplus_grad);
           const float beta = gate_sigmoid(b_val[k]);
@@ -296,93 +487,29 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
     }
     __syncthreads();
     if (!is_last_program) return;
-    __shared__ float tail_sums[kReduceRows][kReduceSlotsPerBlock];
-    const int lane = threadIdx.x % kReduceSlotsPerBlock;
-    const int thread_row = threadIdx.x / kReduceSlotsPerBlock;
-    const int thread_rows = blockDim.x / kReduceSlotsPerBlock;
-    const int64_t slots = 2 * static_cast<int64_t>(heads);
-    const int64_t programs_t = gridDim.x;
-    for (int64_t slot_base = 0; slot_base < slots; slot_base += kReduceSlotsPerBlock) {
-      const int64_t slot = slot_base + lane;
-      float acc[kTailRowsPerThread];
-#pragma unroll
-      for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] = 0.0f;
-      // Virtual row thread_row + k * thread_rows takes programs of that residue mod
-      // kReduceRows in increasing order; kTailUnroll of them are loaded per round so the
-      // loads of all virtual rows are in flight together.
-      for (int64_t p0 = 0; p0 < programs_t; p0 += int64_t{kReduceRows} * kTailUnroll) {
-        float v[kTailUnroll][kTailRowsPerThread];
-#pragma unroll
-        for (int u = 0; u < kTailUnroll; ++u) {
-#pragma unroll
-          for (int k = 0; k < kTailRowsPerThread; ++k) {
-            const int virtual_row = thread_row + k * thread_rows;
-            const int64_t p = p0 + int64_t{u} * kReduceRows + virtual_row;
-            v[u][k] = virtual_row < kReduceRows && p < programs_t && slot < slots
-                          ? __ldcg(out + p * slots + slot)
-                          : 0.0f;
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kTailUnroll; ++u) {
-#pragma unroll
-          for (int k = 0; k < kTailRowsPerThread; ++k) {
-            const int virtual_row = thread_row + k * thread_rows;
-            if (virtual_row < kReduceRows &&
-                p0 + int64_t{u} * kReduceRows + virtual_row < programs_t)
-              acc[k] += v[u][k];
-          }
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kTailRowsPerThread; ++k) {
-        const int virtual_row = thread_row + k * thread_rows;
-        if (virtual_row < kReduceRows) tail_sums[virtual_row][lane] = acc[k];
-      }
-      __syncthreads();
-      if (thread_row == 0 && slot < slots) {
-        float total = 0.0f;
-        for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
-        if (slot < heads) {
-          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
-        } else {
-          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
-        }
-      }
-      __syncthreads();
+    __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
+#pragma unroll 1
+    for (int64_t slot_base = 0; slot_base < 2 * static_cast<int64_t>(heads);
+         slot_base += kReduceSlotsPerBlock) {
+      ordered_sum_slot_group(static_cast<const float*>(out), static_cast<int64_t>(gridDim.x),
+                             static_cast<int64_t>(heads), slot_base,
+                             static_cast<Param*>(args.dA_log), static_cast<Param*>(args.ddt_bias),
+                             chunk_sums);
     }
   }
 }
 
-// Ordered pass: block (kReduceSlotsPerBlock lanes x kReduceRows rows). Lane = one of the
-// 2 * heads output slots (coalesced across a warp); row r sums partial rows r, r + R,
-// r + 2R, ... sequentially; then row 0 adds the R row sums in row order. The order
-// depends on programs_t only, never on scheduling.
+// Ordered pass: one block of kReduceThreads per group of kReduceSlotsPerBlock output slots
+// (of the 2 * heads), summing in the order of Note [Gate ordered sum], which depends on
+// programs_t only, never on scheduling.
 template <typename Param>
-__global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
+__global__ void __launch_bounds__(kReduceThreads)
     gate_reduce_partials_kernel(const float* partials, int64_t programs_t, int64_t heads,
                                 Param* dA_log, Param* ddt_bias) {
-  __shared__ float sums[kReduceRows][kReduceSlotsPerBlock];
-  const int lane = threadIdx.x % kReduceSlotsPerBlock;
-  const int row = threadIdx.x / kReduceSlotsPerBlock;
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock + lane;
-  const int64_t slots = 2 * heads;
-  float acc = 0.0f;
-  if (slot < slots) {
-#pragma unroll 8
-    for (int64_t p = row; p < programs_t; p += kReduceRows)
-      acc += __ldg(partials + p * slots + slot);
-  }
-  sums[row][lane] = acc;
-  __syncthreads();
-  if (row != 0 || slot >= slots) return;
-  float total = 0.0f;
-  for (int r = 0; r < kReduceRows; ++r) total += sums[r][lane];
-  if (slot < heads) {
-    store_from_float(dA_log + slot, total);
-  } else {
-    store_from_float(ddt_bias + (slot - heads), total);
-  }
+  __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
+  ordered_sum_slot_group(partials, programs_t, heads,
+                         static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock, dA_log, ddt_bias,
+                         chunk_sums);
 }
 
 // ----------------------------------------------------------------------------
@@ -418,12 +545,55 @@ bool is_flat(const StridedOperand& op, const GateShape& shape) {
          (shape.dim0 == 1 || op.stride0 == shape.dim1 * shape.heads);
 }
 
+bool aligned_to(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+int64_t element_bytes(ScalarKind kind) { return kind == ScalarKind::kFloat32 ? 4 : 2; }
+
+// The vectorised forward's conditions (gate_forward_vec_kernel): contiguous operands,
+// heads a multiple of kForwardVec that fits the table, 32-bit indices, a and b aligned
+// to one vector, g and beta to a float4. Anything else takes the scalar kernel.
+bool forward_vectorisable(const GateForwardArgs& args) {
+  const GateShape& shape = args.shape;
+  const int64_t vec_bytes = kForwardVec * element_bytes(args.input_kind);
+  return is_flat(args.a, shape) && is_flat(args.b, shape) && shape.heads % kForwardVec == 0 &&
+         shape.heads <= kForwardTableHeads && fits_int32(shape, {args.a, args.b}) &&
+         aligned_to(args.a.data, vec_bytes) && aligned_to(args.b.data, vec_bytes) &&
+         aligned_to(args.g, 16) && aligned_to(args.beta, 16);
+}
+
 }  // namespace
+
+bool pre_gdr_gate_forward_is_vectorised(const GateForwardArgs& args) {
+  return forward_vectorisable(args);
+}
 
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream) {
   const int64_t total = args.shape.tokens() * args.shape.heads;
   if (total == 0) return cudaSuccess;
   const bool small = total < kForwardSmallLimit;
+  if (forward_vectorisable(args)) {
+    // Large: 256 threads x 2 row groups (8 elements per thread, as the scalar kernel);
+    // small: 128 threads x 1 row group, so the 0.8B shape still spreads over every SM
+    // (256 blocks). More lanes than threads (heads > 512) takes the 256-thread block.
+    const int32_t lanes = static_cast<int32_t>(args.shape.heads / kForwardVec);
+    const int items = small ? 1 : 2;
+    const int block = small && lanes <= kForwardThreads / 2 ? kForwardThreads / 2 : kForwardThreads;
+    const int32_t row_group = (block / lanes) * lanes * kForwardVec;  // elements per row group
+    const int64_t per_block = int64_t{row_group} * items;
+    const dim3 grid(static_cast<unsigned>((total + per_block - 1) / per_block));
+    dispatch_kind(args.input_kind, [&](auto in_tag) {
+      dispatch_kind(args.param_kind, [&](auto param_tag) {
+        using In = decltype(in_tag);
+        using Param = decltype(param_tag);
+        auto kernel = items == 1 ? gate_forward_vec_kernel<In, Param, 1>
+                                 : gate_forward_vec_kernel<In, Param, 2>;
+        kernel<<<grid, block, 0, stream>>>(args, static_cast<int32_t>(total), lanes, row_group);
+      });
+    });
+    return cudaGetLastError();
+  }
   const int64_t per_block = kForwardThreads * (small ? kForwardItemsSmall : kForwardItemsLarge);
   const dim3 grid(static_cast<unsigned>((total + per_block - 1) / per_block));
   dispatch_kind(args.input_kind, [&](auto in_tag) {
@@ -505,7 +675,7 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
   dispatch_kind(param_kind, [&](auto param_tag) {
     using Param = decltype(param_tag);
-    gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
+    gate_reduce_partials_kernel<Param><<<grid, kReduceThreads, 0, stream>>>(
         partials, programs_t, heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
   });
   return cudaGetLastError();

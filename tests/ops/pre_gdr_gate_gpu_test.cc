@@ -1,5 +1,6 @@
 // GPU tests of the pre-GDR gate (tag gpu): agreement with the libtorch composite,
-// dtypes, tails, strided inputs and gradients, side streams, tile overrides, bit-exact
+// dtypes, tails, strided inputs and gradients, the vectorised and scalar forward giving
+// the same bits, side streams, tile overrides, bit-exact
 // replay of the deterministic backward under contention, runtime mode switching, and
 // the real autograd dispatch taking the intended path.
 #include <ATen/ATen.h>
@@ -165,6 +166,57 @@ TEST_F(GateGpuTest, StridedInputsAndGradientsGiveTheContiguousBits) {
     EXPECT_TRUE(bitwise_equal(flat_out[i].reshape({B, S, H}), contiguous[i])) << i;
   EXPECT_TRUE(bitwise_equal(flat_out[4], contiguous[4]));
   EXPECT_TRUE(bitwise_equal(flat_out[5], contiguous[5]));
+}
+
+// The forward has a vectorised kernel (contiguous a and b aligned to 4 elements, heads a
+// multiple of 4 and <= 1024) and a scalar one (anything else); both must give the same
+// bits. Each case runs the same values once through the vectorised path (a fresh
+// contiguous tensor) and once through the scalar path (the values copied into a buffer
+// at an offset of one element, so misaligned, and into a strided slice), across head
+// counts whose lanes do and do not divide the block (16, 48, 64, 200, 516), heads that
+// are not a multiple of 4 or exceed the table (33, 1028), token tails, and both the
+// small (1 row group) and large (2 row groups, > 2^21 elements) launch shapes.
+TEST_F(GateGpuTest, VectorisedAndScalarForwardGiveTheSameBits) {
+  struct Case {
+    at::ScalarType in;
+    int64_t tokens, heads;
+  };
+  const std::vector<Case> cases = {
+      {at::kBFloat16, 8192, 16}, {at::kBFloat16, 1001, 48}, {at::kBFloat16, 65536, 64},
+      {at::kFloat, 3001, 200},   {at::kHalf, 77, 516},      {at::kBFloat16, 5, 33},
+      {at::kFloat, 65537, 64},   {at::kBFloat16, 3, 1028},  {at::kFloat, 1, 4},
+  };
+  for (const Case& c : cases) {
+    const std::string context = std::string(c10::toString(c.in)) +
+                                " T=" + std::to_string(c.tokens) + " Hv=" + std::to_string(c.heads);
+    const Inputs x = make_inputs(1, c.tokens, c.heads, c.in, at::kFloat);
+    auto [g, beta] = pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+    // One element of offset: a and b are no longer aligned to a 4-element vector.
+    auto misaligned = [&](const at::Tensor& t) {
+      at::Tensor buffer = at::empty({t.numel() + 1}, t.options());
+      at::Tensor view = buffer.narrow(0, 1, t.numel()).view(t.sizes());
+      view.copy_(t);
+      return view;
+    };
+    const at::Tensor a_mis = misaligned(x.a), b_mis = misaligned(x.b);
+    auto [g_mis, beta_mis] = pre_gdr_gate(a_mis, b_mis, x.A_log, x.dt_bias);
+    EXPECT_TRUE(bitwise_equal(g_mis, g)) << context << " misaligned g";
+    EXPECT_TRUE(bitwise_equal(beta_mis, beta)) << context << " misaligned beta";
+    // A strided slice of a wider buffer (not flat).
+    at::Tensor wide = at::zeros({1, c.tokens, 2 * c.heads}, x.a.options());
+    wide.narrow(2, 0, c.heads).copy_(x.a);
+    wide.narrow(2, c.heads, c.heads).copy_(x.b);
+    auto [g_str, beta_str] = pre_gdr_gate(wide.narrow(2, 0, c.heads),
+                                          wide.narrow(2, c.heads, c.heads), x.A_log, x.dt_bias);
+    EXPECT_TRUE(bitwise_equal(g_str, g)) << context << " strided g";
+    EXPECT_TRUE(bitwise_equal(beta_str, beta)) << context << " strided beta";
+    // And the values themselves against the composite.
+    at::Tensor a_ref = x.a.detach(), b_ref = x.b.detach();
+    auto [g_ref, beta_ref] = pre_gdr_gate_composite(a_ref, b_ref, x.A_log, x.dt_bias);
+    EXPECT_TRUE(at::allclose(g.to(at::kDouble), g_ref.to(at::kDouble), 1e-5, 1e-6)) << context;
+    EXPECT_TRUE(at::allclose(beta.to(at::kDouble), beta_ref.to(at::kDouble), 1e-5, 1e-6))
+        << context;
+  }
 }
 
 TEST_F(GateGpuTest, OutputsCarvedFromOneAllocationBehaveAsSeparateTensors) {
