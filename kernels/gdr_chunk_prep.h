@@ -56,17 +56,19 @@ struct TokenStrides {
   int64_t head = 0;
 };
 
-// Shared memory of one block, in floats; see the layouts in the kernel bodies. Rows are
-// padded by one float so that threads walking down a column hit distinct banks.
+// Shared memory of one block, in floats; see the layouts in the kernel bodies. Rows read
+// along their length in 16-byte loads are padded by four floats (Note [Chunk prep shared
+// pitches] in kernels/gdr_chunk_prep_kernel.cuh), the C x C matrices also read down a
+// column by one, so that threads walking down a column hit distinct banks.
 // NOTE: keep in sync with the carve-up at the top of each kernel body.
 inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
   (void)dv;  // the right-hand side [beta V | beta K exp(G)] lives in registers
-  return 2 * C * (dk + 1) + C * C + 5 * C;
+  return 2 * C * (dk + 4) + C * C + 5 * C;
 }
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
-  return 2 * C * (dk + 1) + C * (dv + dk + 1) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 1) + 7 * C;
+  return 2 * C * (dk + 4) + C * (dv + dk + 4) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 4) + 7 * C;
 }
 
 // dk is a template parameter of the backward (register arrays); dv splits into whole

@@ -119,6 +119,38 @@ __device__ __forceinline__ long long key_row(const TokenStrides& st, const Chunk
   return place.b * st.batch + (place.t0 + i) * st.token + place.kh * st.head;
 }
 
+// Four floats read as one 16-byte shared-memory load (the address must be 16-byte aligned:
+// every region of the carve-ups starts at a multiple of 4 floats, every pitch is a multiple
+// of 4 or, for the odd-pitch C x C matrices, never read this way, and the reads start at
+// multiples of 4 columns).
+//
+// Note [Chunk prep shared pitches]
+// The rows that inner loops read along their contraction index (K, Q: dk + 4; [dU | dW]:
+// dv + dk + 4; the X slab: 32 + 4; M^T: C) have pitches that are multiples of 4, so those
+// loops take 16-byte loads of 4 consecutive elements and still walk the index one fmaf at
+// a time in order (the bits of the one-float loads). A pitch of 4 or 20 mod 32 also spreads
+// the 8 rows that one quarter-warp (the unit of a 16-byte access) reads when each thread
+// owns a row (the L2 norm's sums of squares, phase 5's row sums) over the 32 banks. The C x
+// C matrices that are also read down columns keep pitch C + 1.
+struct alignas(16) Vec4 {
+  float v[4];
+};
+__device__ __forceinline__ Vec4 load_vec4(const float* p) {
+#ifdef __CUDA_ARCH__
+  // One ld.shared.v4 by hand: nvcc splits a plain 16-byte load (of this struct or of a
+  // float4) into four scalar loads here. volatile + "memory": never moved across the
+  // barrier that publishes M (ptxas still schedules it among the FMAs).
+  Vec4 r;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return r;
+#else
+  return *reinterpret_cast<const Vec4*>(p);
+#endif
+}
+
 // Loads g and beta of the chunk (zeros past the end) and forms G = cumsum(g) and exp(G).
 // One thread does the cumsum: 64 sequential adds, a fixed order (the ATen composite's
 // scan order differs, which only moves the last bits).
@@ -197,7 +229,11 @@ __device__ __forceinline__ void normalize_qk(const ChunkPrepShape& s, float* qs,
     const bool is_q = tid < 2 * kC;
     const float* row = is_q ? qs + i * q_pitch : ks + i * k_pitch;
     float ss = 0.0f;
-    for (int c = 0; c < dk; ++c) ss = fmaf(row[c], row[c], ss);
+    for (int c = 0; c < dk; c += 4) {  // 16-byte loads, c still in order
+      const Vec4 x = load_vec4(row + c);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) ss = fmaf(x.v[u], x.v[u], ss);
+    }
     (is_q ? rq : rk)[i] = rsqrtf(ss + kChunkPrepL2Eps);
   }
   __syncthreads();
@@ -228,10 +264,13 @@ __device__ __forceinline__ void copy_rows(const float* src, int width, float* ds
 }
 
 // Thread (ti, tj) computes rows ti + 16a and columns tj + 16b (a, b < 4) of K K^T and
-// Q K^T, dk summed in order. Within a warp ti takes two values (two broadcast words) and
-// tj sixteen consecutive rows of an odd pitch (sixteen banks). Only the lower triangle
-// (i >= j) is ever used: tiles with a < b lie wholly above the diagonal (i - j =
-// ti - tj + 16 (a - b) < 0) and stay zero, 6 of the 16 products skipped.
+// Q K^T, dk summed in order. The rows come in 16-byte loads of 4 consecutive c (pitches
+// multiples of 4, = 4 mod 32: Note [Chunk prep shared pitches]) and every product still
+// sums c = 0, 1, 2, ... one fmaf at a time: per 4 c, 12 loads for 80 fmaf. Within a warp
+// ti takes two values (two broadcast addresses) and tj sixteen rows, those of one
+// quarter-warp on 8 distinct 4-bank groups. Only the lower triangle (i >= j) is ever
+// used: tiles with a < b lie wholly above the diagonal (i - j = ti - tj + 16 (a - b) < 0)
+// and stay zero, 6 of the 16 products skipped.
 __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const float* ks,
                                            int k_pitch, int dk, float (&kk)[kTileRows][kTileRows],
                                            float (&qk)[kTileRows][kTileRows]) {
@@ -239,45 +278,26 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
   for (int a = 0; a < kTileRows; ++a) {
     for (int b = 0; b < kTileRows; ++b) kk[a][b] = qk[a][b] = 0.0f;
   }
-  for (int c = 0; c < dk; ++c) {
-    float kr[kTileRows], qr[kTileRows], kc[kTileRows];
+  for (int c = 0; c < dk; c += 4) {
+    Vec4 kr[kTileRows], qr[kTileRows], kc[kTileRows];
 #pragma unroll
     for (int a = 0; a < kTileRows; ++a) {
-      kr[a] = ks[(ti + kSide * a) * k_pitch + c];
-      qr[a] = qs[(ti + kSide * a) * q_pitch + c];
-      kc[a] = ks[(tj + kSide * a) * k_pitch + c];
+      kr[a] = load_vec4(ks + (ti + kSide * a) * k_pitch + c);
+      qr[a] = load_vec4(qs + (ti + kSide * a) * q_pitch + c);
+      kc[a] = load_vec4(ks + (tj + kSide * a) * k_pitch + c);
     }
 #pragma unroll
-    for (int a = 0; a < kTileRows; ++a) {
+    for (int u = 0; u < 4; ++u) {
 #pragma unroll
-      for (int b = 0; b <= a; ++b) {
-        kk[a][b] = fmaf(kr[a], kc[b], kk[a][b]);
-        qk[a][b] = fmaf(qr[a], kc[b], qk[a][b]);
+      for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+        for (int b = 0; b <= a; ++b) {
+          kk[a][b] = fmaf(kr[a].v[u], kc[b].v[u], kk[a][b]);
+          qk[a][b] = fmaf(qr[a].v[u], kc[b].v[u], qk[a][b]);
+        }
       }
     }
   }
-}
-
-// Four floats read as one 16-byte shared-memory load (the address must be 16-byte aligned:
-// every region of the carve-ups starts at a multiple of C floats and the rows read this way
-// have pitch C).
-struct alignas(16) Vec4 {
-  float v[4];
-};
-__device__ __forceinline__ Vec4 load_vec4(const float* p) {
-#ifdef __CUDA_ARCH__
-  // One ld.shared.v4 by hand: nvcc splits a plain 16-byte load (of this struct or of a
-  // float4) into four scalar loads here. volatile + "memory": never moved across the
-  // barrier that publishes M (ptxas still schedules it among the FMAs).
-  Vec4 r;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
-               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return r;
-#else
-  return *reinterpret_cast<const Vec4*>(p);
-#endif
 }
 
 // Note [Register-resident substitution]
@@ -332,11 +352,11 @@ __device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC])
 // ----------------------------------------------------------------------------
 // CUDA kernels (bodies; the __global__ wrappers are in kernels/gdr_chunk_prep.cu)
 
-// Forward. Shared memory (floats): ks, qs [C][dk+1] K and scale*Q; ms [C][C] M (pitch C:
-// 16-byte aligned rows for the substitution's loads); gs, bs, es [C] G, beta, exp(G);
-// rq, rk [C] the fused L2 norm's reciprocal row norms. 2 C (dk + 1) + C^2 + 5 C floats,
-// 82 KiB at dk = 128 whatever dv: two blocks fit an H100 / H200 SM (the right-hand side
-// no longer sits in shared memory).
+// Forward. Shared memory (floats): ks, qs [C][dk+4] K and scale*Q (Note [Chunk prep shared
+// pitches]); ms [C][C] M (pitch C: 16-byte aligned rows for the substitution's loads); gs,
+// bs, es [C] G, beta, exp(G); rq, rk [C] the fused L2 norm's reciprocal row norms.
+// 2 C (dk + 4) + C^2 + 5 C floats, 83 KiB at dk = 128 whatever dv: two blocks fit an
+// H100 / H200 SM (the right-hand side no longer sits in shared memory).
 // Phases: decays and Q, K (normalised in place with the fused L2 norm) -> (sync) Gram
 // tiles -> M, P; Qd, Kend, G_last -> (sync)
 // forward substitution, one thread per column of [U | W] held in registers (Note
@@ -348,7 +368,7 @@ template <typename TQK, typename TV>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
-  const int kp = dk + 1;
+  const int kp = dk + 4;
   float* ks = smem;
   float* qs = ks + kC * kp;
   float* ms = qs + kC * kp;
@@ -416,12 +436,12 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 }
 
 // Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h). Shared
-// memory (floats): ks, qs [C][dk+1] K and scale*Q; rs [C][dv+dk+1] [dU | dW] solved in
-// place into dR = (I + M)^-T [dU | dW]; kl [C][C+1] (K K^T) * L strictly below the
-// diagonal (M = beta_i kl), later dM .* kl; pm [C][C+1] P, later E; d1 [C][C+1] first M^T
-// at pitch C (phases 1-2), then dM, later dKK; d2 [C][C+1] dQK; xs [C][33] a 32-column
-// slab of [U | W], later the phase 5 partial sums and the phase 6 row dots; gs, bs, es,
-// dgs, fs, rq, rk [C].
+// memory (floats; pitches: Note [Chunk prep shared pitches]): ks, qs [C][dk+4] K and
+// scale*Q; rs [C][dv+dk+4] [dU | dW] solved in place into dR = (I + M)^-T [dU | dW];
+// kl [C][C+1] (K K^T) * L strictly below the diagonal (M = beta_i kl), later dM .* kl;
+// pm [C][C+1] P, later E; d1 [C][C+1] first M^T at pitch C (phases 1-2), then dM, later
+// dKK; d2 [C][C+1] dQK; xs [C][36] a 32-column slab of [U | W], later the phase 5 partial
+// sums and the phase 6 row dots; gs, bs, es, dgs, fs, rq, rk [C].
 // Phases, each ended by a barrier: 0 decays, Q, K (with the fused L2 norm, normalised
 // exactly as in the forward); 1 Gram tiles -> kl, M^T, pm and
 // [dU | dW] -> rs; 2 back substitution per column in registers (row i of dR is
@@ -436,7 +456,7 @@ template <typename TQK, typename TV, int DK>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dv = s.dv, cols = dv + DK;
-  const int kp = DK + 1, rp = cols + 1, mp = kC + 1, xp = kSlab + 1;
+  const int kp = DK + 4, rp = cols + 4, mp = kC + 1, xp = kSlab + 4;
   float* ks = smem;
   float* qs = ks + kC * kp;
   float* rs = qs + kC * kp;
@@ -497,7 +517,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W]. The next slab
   // of X is fetched into registers before the current one is multiplied, so its global
   // latency hides behind the FMAs. Tiles above the diagonal (a < b) are skipped, as in
-  // gram_tiles.
+  // gram_tiles, and as there the rows come in 16-byte loads of 4 consecutive c (slab
+  // widths are multiples of 16 as dv is): per 4 c, 8 loads for 40 fmaf.
   {
     const int ti = tid / kSide, tj = tid % kSide;
     float acc[kTileRows][kTileRows];
@@ -527,17 +548,20 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
       __syncthreads();
       if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
-      for (int cc = 0; cc < width; ++cc) {
-        float dr[kTileRows], x[kTileRows];
+      for (int cc = 0; cc < width; cc += 4) {
+        Vec4 dr[kTileRows], x[kTileRows];
 #pragma unroll
         for (int a = 0; a < kTileRows; ++a) {
-          dr[a] = rs[(ti + kSide * a) * rp + c0 + cc];
-          x[a] = xs[(tj + kSide * a) * xp + cc];
+          dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
+          x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
         }
 #pragma unroll
-        for (int a = 0; a < kTileRows; ++a) {
+        for (int u = 0; u < 4; ++u) {
 #pragma unroll
-          for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a], x[b], acc[a][b]);
+          for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+            for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+          }
         }
       }
       __syncthreads();
@@ -576,10 +600,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   __syncthreads();
 
   // Phase 5: row sums in four quarters. Thread (i = tid % C, quarter = tid / C) sums its
-  // quarter of the c and j ranges in order; a warp is 32 consecutive rows of one quarter,
-  // and row i of a pitch-odd matrix starts in bank i, so its reads hit 32 banks. Then one
-  // thread per row adds the four quarters in order (a fixed order, so the same bits every
-  // run).
+  // quarter of the c and j ranges in order; a warp is 32 consecutive rows of one quarter:
+  // row i of a pitch-odd matrix starts in bank i, so its one-float reads hit 32 banks, and
+  // rs, ks, qs come in 16-byte loads of 4 consecutive c (Note [Chunk prep shared pitches];
+  // quarters and batches start at multiples of 4, and a batch's loads past its range stay
+  // inside the row's padding and go unused). Then one thread per row adds the four
+  // quarters in order (a fixed order, so the same bits every run).
   const float g_last = gs[kC - 1];
   const float* grad_qd = args.grad_qd ? args.grad_qd + chunk_dk : nullptr;
   const float* grad_kend = args.grad_kend ? args.grad_kend + chunk_dk : nullptr;
@@ -604,9 +630,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       for (int m = 0; m < kLoadBatch; ++m) {
         vv[m] = real && c0 + m < v_end ? load_float(v + v_row + c0 + m) : 0.0f;
       }
+      static_assert(kLoadBatch == 8, "two 16-byte loads per batch");
+      const Vec4 r_lo = load_vec4(rs + i * rp + c0), r_hi = load_vec4(rs + i * rp + c0 + 4);
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
-        if (real && c0 + m < v_end) su = fmaf(vv[m], rs[i * rp + c0 + m], su);
+        const float r = m < 4 ? r_lo.v[m] : r_hi.v[m - 4];
+        if (real && c0 + m < v_end) su = fmaf(vv[m], r, su);
       }
     }
     for (int c0 = quarter * k_width; c0 < k_end; c0 += kLoadBatch) {
@@ -617,13 +646,17 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         gq[m] = grad_qd && in ? grad_qd[i * DK + c0 + m] : 0.0f;
         gk[m] = grad_kend && in ? grad_kend[i * DK + c0 + m] : 0.0f;
       }
+      const Vec4 k_lo = load_vec4(ks + i * kp + c0), k_hi = load_vec4(ks + i * kp + c0 + 4);
+      const Vec4 r_lo = load_vec4(rs + i * rp + dv + c0);
+      const Vec4 r_hi = load_vec4(rs + i * rp + dv + c0 + 4);
+      const Vec4 q_lo = load_vec4(qs + i * kp + c0), q_hi = load_vec4(qs + i * kp + c0 + 4);
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
         const int c = c0 + m;
         if (c >= k_end) continue;
-        const float kv = ks[i * kp + c];
-        sk = fmaf(kv, rs[i * rp + dv + c], sk);
-        if (grad_qd) sq = fmaf(gq[m], qs[i * kp + c], sq);
+        const float kv = m < 4 ? k_lo.v[m] : k_hi.v[m - 4];
+        sk = fmaf(kv, m < 4 ? r_lo.v[m] : r_hi.v[m - 4], sk);
+        if (grad_qd) sq = fmaf(gq[m], m < 4 ? q_lo.v[m] : q_hi.v[m - 4], sq);
         if (grad_kend) sf = fmaf(gk[m], kv, sf);
       }
     }

@@ -68,9 +68,9 @@ struct ChunkStateScanArgs {
   float* carries_out = nullptr;     // [BH, N, dk, dv]: the carry entering chunk n
   float* carry_final = nullptr;     // [BH, dk, dv]: the carry after the last step
   // Optional (both or neither): dot_out[((bh * N + n) * (dv / 16) + tile) * 256 + thread]
-  // = decay_n * sum over the thread's carry elements (i, j) of dot_with_n[i, j] * X[i, j],
-  // X the carry entering chunk n. Summing a (bh, n)'s dv / 16 * 256 partials gives
-  // decay_n * <dot_with_n, X>.
+  // = decay_n * sum over m < dk / 16 (in order) of dot_with_n[i, j] * X[i, j] with
+  // i = thread / 16 + 16 m and j = tile * 16 + thread % 16, X the carry entering chunk n.
+  // Summing a (bh, n)'s dv / 16 * 256 partials gives decay_n * <dot_with_n, X>.
   const float* dot_with = nullptr;  // [BH, N, dk, dv]
   float* dot_out = nullptr;         // [BH, N, dv / 16, 256]
 };

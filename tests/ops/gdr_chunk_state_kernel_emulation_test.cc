@@ -31,13 +31,21 @@ thread_local EmulatedIndex threadIdx, blockIdx;
 pthread_barrier_t g_block_barrier;
 void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
 
+// CUDA's float4: 16-byte aligned, so the kernel's float4 loads and stores of shared
+// memory and of operands it checked for 16-byte alignment are plain host accesses.
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
 #define __global__
 #define __shared__ static
 #define __launch_bounds__(threads)
+#define __align__(n) __attribute__((aligned(n)))
 #include "kernels/gdr_chunk_state_kernel.cuh"
 #undef __global__
 #undef __shared__
 #undef __launch_bounds__
+#undef __align__
 
 namespace gdr::kernels {
 namespace {
@@ -72,6 +80,7 @@ void run_emulated(const ChunkStateScanArgs& args) {
 struct ScanCase {
   int dk, dv;
   bool reverse;
+  bool quads = false;  // pitches and offsets that let the kernel take its float4 slab loads
 };
 
 class ChunkStateKernelEmulation : public ::testing::TestWithParam<ScanCase> {};
@@ -80,14 +89,15 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
   const ScanCase c = GetParam();
   const int BH = 2, N = 3, C = kChunkStateChunk, dk = c.dk, dv = c.dv;
   // Row pitches wider than the rows, and `left` starting 2 floats in: the layouts of
-  // narrow() views such as W inside the solve's [U | W] output.
-  const int pitch_k = dk + 5, pitch_v = dv + 3;
+  // narrow() views such as W inside the solve's [U | W] output (scalar slab loads). With
+  // `quads`, pitches and the offset are multiples of 4 floats (float4 slab loads).
+  const int pitch_k = dk + (c.quads ? 4 : 5), pitch_v = dv + 3, left_off = c.quads ? 4 : 2;
   std::mt19937 rng(dk * 31 + dv + (c.reverse ? 7 : 0));
   std::normal_distribution<float> normal;
   auto fill = [&](std::vector<float>& x, float scale) {
     for (float& e : x) e = scale * normal(rng);
   };
-  std::vector<float> base(BH * N * C * pitch_v), left(BH * N * C * pitch_k + 2),
+  std::vector<float> base(BH * N * C * pitch_v), left(BH * N * C * pitch_k + left_off),
       right(BH * N * C * pitch_k), extra(BH * N * dk * dv), g_last(BH * N), carry_in(BH * dk * dv),
       dot_with(BH * N * dk * dv);
   fill(base, 1.0f);
@@ -110,8 +120,12 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
   args.dv = dv;
   args.reverse = c.reverse;
   args.base = {base.data(), int64_t{N} * C * pitch_v, int64_t{C} * pitch_v, pitch_v};
-  args.left = {left.data() + 2, int64_t{N} * C * pitch_k, int64_t{C} * pitch_k, pitch_k};
+  args.left = {left.data() + left_off, int64_t{N} * C * pitch_k, int64_t{C} * pitch_k, pitch_k};
   args.right = {right.data(), int64_t{N} * C * pitch_k, int64_t{C} * pitch_k, pitch_k};
+  if (c.quads) {  // else the case would silently test the scalar path again
+    ASSERT_EQ(reinterpret_cast<uintptr_t>(args.left.data) % 16, 0u);
+    ASSERT_EQ(reinterpret_cast<uintptr_t>(args.right.data) % 16, 0u);
+  }
   args.left_sign = c.reverse ? 1.0f : -1.0f;
   args.right_sign = c.reverse ? -1.0f : 1.0f;
   args.extra = c.reverse ? extra.data() : nullptr;
@@ -138,7 +152,7 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
     for (int step = 0; step < N; ++step) {
       const int n = c.reverse ? N - 1 - step : step;
       const int bhn = bh * N + n;
-      const float* L = left.data() + 2 + (bh * N + n) * C * pitch_k;
+      const float* L = left.data() + left_off + (bh * N + n) * C * pitch_k;
       const float* Rt = right.data() + (bh * N + n) * C * pitch_k;
       const float* Bs = base.data() + (bh * N + n) * C * pitch_v;
       const double decay = std::exp(double{g_last[bhn]});
@@ -178,15 +192,16 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
   EXPECT_LT(max_err, 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, ChunkStateKernelEmulation,
-                         ::testing::Values(ScanCase{64, 16, false}, ScanCase{64, 48, true},
-                                           ScanCase{128, 16, true}, ScanCase{128, 32, false},
-                                           ScanCase{256, 16, false}, ScanCase{256, 32, true}),
-                         [](const ::testing::TestParamInfo<ScanCase>& info) {
-                           return "dk" + std::to_string(info.param.dk) + "_dv" +
-                                  std::to_string(info.param.dv) +
-                                  (info.param.reverse ? "_reverse" : "_forward");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ChunkStateKernelEmulation,
+    ::testing::Values(ScanCase{64, 16, false}, ScanCase{64, 48, true}, ScanCase{128, 16, true},
+                      ScanCase{128, 32, false}, ScanCase{256, 16, false}, ScanCase{256, 32, true},
+                      ScanCase{64, 16, true, true}, ScanCase{128, 32, false, true},
+                      ScanCase{256, 16, true, true}),
+    [](const ::testing::TestParamInfo<ScanCase>& info) {
+      return "dk" + std::to_string(info.param.dk) + "_dv" + std::to_string(info.param.dv) +
+             (info.param.reverse ? "_reverse" : "_forward") + (info.param.quads ? "_quads" : "");
+    });
 
 // ---------------------------------------------------------------------------
 // The CUDA op's code with the emulated kernel
