@@ -7,6 +7,8 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/split.h>
+#include <ATen/ops/split_with_sizes.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -165,11 +167,14 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // The raw key heads in x's dtype: the core normalises them (in FP32, or FP64 for FP64
     // inputs) and maps each of the Hv/Hk consecutive value heads of a key head to it, on
     // CUDA inside the prep kernel, which reads these views in place.
-    q = qkv.narrow(-1, 0, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
-    k = qkv.narrow(-1, key_dim, key_dim).reshape({B, T, num_k_heads_, k_head_dim_});
+    // One split, not three narrows: see Note [Split, not narrow].
+    const std::vector<at::Tensor> qkv_parts =
+        at::split_with_sizes(qkv, {key_dim, key_dim, value_dim}, -1);
+    q = qkv_parts[0].reshape({B, T, num_k_heads_, k_head_dim_});
+    k = qkv_parts[1].reshape({B, T, num_k_heads_, k_head_dim_});
     // The core runs in FP32 whatever the activations; an FP32 v saves it a cast.
     const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    v = qkv.narrow(-1, 2 * key_dim, value_dim).reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
+    v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
 
     const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
     // g and beta come back FP32 from either form of the gate.
@@ -217,8 +222,15 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   check_activation("GatedAttention", x, q_proj->options.in_features());
   const int64_t B = x.size(0), T = x.size(1);
   const at::Tensor query_and_gate = q_proj(x).reshape({B, T, num_heads_, 2 * head_dim_});
-  at::Tensor q = query_and_gate.narrow(-1, 0, head_dim_);
-  const at::Tensor gate = query_and_gate.narrow(-1, head_dim_, head_dim_).reshape({B, T, -1});
+  // Note [Split, not narrow]: the pieces of one projection's output come from one split, not
+  // one narrow each. A narrow's backward zero-fills a gradient of the whole output and copies
+  // its slice in, and autograd then adds those full-size gradients up (for the GDN's q, k, v:
+  // 3 fills, 3 copies and 2 adds of [B, T, conv_dim] per layer); a split's backward
+  // concatenates its pieces' gradients in one pass. The sums only ever add zeros, so the
+  // values are the same (up to the sign of an all-zero gradient element).
+  const std::vector<at::Tensor> query_and_gate_parts = at::split(query_and_gate, head_dim_, -1);
+  at::Tensor q = query_and_gate_parts[0];
+  const at::Tensor gate = query_and_gate_parts[1].reshape({B, T, -1});
   at::Tensor k = k_proj(x).reshape({B, T, num_kv_heads_, head_dim_});
   const at::Tensor v = v_proj(x).reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
 
