@@ -290,100 +290,29 @@ __global__ void __launch_bounds__(kForwardThreads)
 // shared memory in row order. The in-block sum is thus a fixed order in every mode.
 constexpr int kBackwardBatch = 4;
 
-// Note [Gate ordered sum]: the fixed order in which both ordered variants add the
-// programs' partial rows, a pure function of programs_t (P) alone. The P rows are cut
-// into kReduceChunks contiguous chunks of L = ceil(P / kReduceChunks) programs; each
-// chunk is summed from 0.0f in program order, and the chunk sums are then added from
-// 0.0f in chunk order. One block of 32 slot lanes x W warps computes a group of 32
-// slots: warp w sums chunks w, w + W, ... (kReduceChunks / W of them, independent, so
-// their loads are in flight together), the chunk sums meet in shared memory and warp 0
-// adds them. gate_reduce_partials_kernel (one block per slot group) and the single-pass
-// tail (one block walking the slot groups) both call ordered_sum_slot_group, so they
-// give the same bits by construction, whatever their block sizes (W only decides who
-// adds a chunk, not the order within it).
-constexpr int kReduceChunks = 32;
-constexpr int kReduceMaxChunksPerThread = kReduceChunks / (kReduceThreads / 32);
-constexpr int kReduceLoadUnroll = 2;  // programs of each chunk loaded per round
-
-template <typename Param>
-__device__ __forceinline__ void ordered_sum_slot_group(
-    const float* partials, int64_t programs_t, int64_t heads, int64_t slot_base, Param* dA_log,
-    Param* ddt_bias, float (&chunk_sums)[kReduceChunks][kReduceSlotsPerBlock]) {
-  const int lane = threadIdx.x % kReduceSlotsPerBlock;
-  const int warp = threadIdx.x / kReduceSlotsPerBlock;
-  const int warps = blockDim.x / kReduceSlotsPerBlock;
-  const int64_t slots = 2 * heads;
-  const int64_t slot = slot_base + lane;
-  const int64_t chunk_len = (programs_t + kReduceChunks - 1) / kReduceChunks;
-  // Chunk k of this thread: `count[k]` programs from `row[k]` on (0 when the chunk, the
-  // slot or the programs run out), read one row (slots floats) apart.
-  float acc[kReduceMaxChunksPerThread];
-  const float* row[kReduceMaxChunksPerThread];
-  int64_t count[kReduceMaxChunksPerThread];
-#pragma unroll
-  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-    const int64_t chunk = warp + k * warps;
-    const int64_t first = chunk * chunk_len;
-    acc[k] = 0.0f;
-    row[k] = partials + first * slots + slot;
-    count[k] = chunk < kReduceChunks && slot < slots && first < programs_t
-                   ? min(chunk_len, programs_t - first)
-                   : 0;
-  }
-#pragma unroll 1  // one round of loads at a time: few live registers
-  for (int64_t i0 = 0; i0 < chunk_len; i0 += kReduceLoadUnroll) {
-    float v[kReduceLoadUnroll][kReduceMaxChunksPerThread];
-#pragma unroll
-    for (int u = 0; u < kReduceLoadUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-        v[u][k] = i0 + u < count[k] ? __ldcg(row[k] + (i0 + u) * slots) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kReduceLoadUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-        if (i0 + u < count[k]) acc[k] += v[u][k];
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-    const int chunk = warp + k * warps;
-    if (chunk < kReduceChunks) chunk_sums[chunk][lane] = acc[k];
-  }
-  __syncthreads();
-  if (warp == 0 && slot < slots) {
-    float total = 0.0f;
-#pragma unroll 8
-    for (int c = 0; c < kReduceChunks; ++c) total += chunk_sums[c][lane];
-    if (slot < heads) {
-      store_from_float(dA_log + slot, total);
-    } else {
-      store_from_float(ddt_bias + (slot - heads), total);
-    }
-  }
-  __syncthreads();  // chunk_sums is reused by the next group
-}
-
 // Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
 // its partial row, then takes a ticket from an unsigned counter; the program that draws
 // the last ticket sums all partial rows itself and resets the counter to 0 for the next
 // launch that uses it. The integer ticket only elects who sums; it carries no data. The
-// last program adds the rows with ordered_sum_slot_group, as gate_reduce_partials_kernel
-// does (Note [Gate ordered sum]), so the single-pass and two-pass variants give the same
-// bits and choosing between them is a matter of speed alone. It saves the second launch,
-// which dominates at small (launch-bound) shapes. The tail spreads each 32-slot group
-// over all the block's threads (at least 8 warps, each summing up to 4 contiguous chunks
-// with their loads in flight together) and keeps few values live, so it does not raise
-// the kernel's register count (which the main loop's occupancy pays for).
+// last program adds the rows in exactly the order of gate_reduce_partials_kernel
+// (kReduceRows virtual rows per slot, row r summing programs r, r + kReduceRows, ... in
+// program order, then the rows added in row order), so the single-pass and two-pass
+// variants give the same bits and choosing between them is a matter of speed alone. It
+// saves the second launch, which dominates at small (launch-bound) shapes.
 //
 // Counters: a fixed device array, zero at module load, so no allocation or memset is
 // needed (not even under graph capture). The host hands each eager stream one slot and
 // each captured launch a slot of its own (ops/pre_gdr_gate_cuda.cc), so two launches
 // that may run concurrently never share a counter.
 __device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
+
+// Tail layout: 32 slot lanes x (threads / 32) thread rows, each thread owning
+// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 256).
+// Each round loads kTailUnroll programs of every owned virtual row before adding, so a
+// 32-slot group of up to 256 partial rows is one round of independent loads: the tail's
+// latency is then about one L2 round trip (this instantiation alone pays the registers).
+constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
+constexpr int kTailUnroll = kSinglePassTailUnroll;
 
 template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
 __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
@@ -487,29 +416,93 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
     }
     __syncthreads();
     if (!is_last_program) return;
-    __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
-#pragma unroll 1
-    for (int64_t slot_base = 0; slot_base < 2 * static_cast<int64_t>(heads);
-         slot_base += kReduceSlotsPerBlock) {
-      ordered_sum_slot_group(static_cast<const float*>(out), static_cast<int64_t>(gridDim.x),
-                             static_cast<int64_t>(heads), slot_base,
-                             static_cast<Param*>(args.dA_log), static_cast<Param*>(args.ddt_bias),
-                             chunk_sums);
+    __shared__ float tail_sums[kReduceRows][kReduceSlotsPerBlock];
+    const int lane = threadIdx.x % kReduceSlotsPerBlock;
+    const int thread_row = threadIdx.x / kReduceSlotsPerBlock;
+    const int thread_rows = blockDim.x / kReduceSlotsPerBlock;
+    const int64_t slots = 2 * static_cast<int64_t>(heads);
+    const int64_t programs_t = gridDim.x;
+    for (int64_t slot_base = 0; slot_base < slots; slot_base += kReduceSlotsPerBlock) {
+      const int64_t slot = slot_base + lane;
+      float acc[kTailRowsPerThread];
+#pragma unroll
+      for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] = 0.0f;
+      // Virtual row thread_row + k * thread_rows takes programs of that residue mod
+      // kReduceRows in increasing order; kTailUnroll of them are loaded per round so the
+      // loads of all virtual rows are in flight together.
+      for (int64_t p0 = 0; p0 < programs_t; p0 += int64_t{kReduceRows} * kTailUnroll) {
+        float v[kTailUnroll][kTailRowsPerThread];
+#pragma unroll
+        for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+          for (int k = 0; k < kTailRowsPerThread; ++k) {
+            const int virtual_row = thread_row + k * thread_rows;
+            const int64_t p = p0 + int64_t{u} * kReduceRows + virtual_row;
+            v[u][k] = virtual_row < kReduceRows && p < programs_t && slot < slots
+                          ? __ldcg(out + p * slots + slot)
+                          : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+          for (int k = 0; k < kTailRowsPerThread; ++k) {
+            const int virtual_row = thread_row + k * thread_rows;
+            if (virtual_row < kReduceRows &&
+                p0 + int64_t{u} * kReduceRows + virtual_row < programs_t)
+              acc[k] += v[u][k];
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kTailRowsPerThread; ++k) {
+        const int virtual_row = thread_row + k * thread_rows;
+        if (virtual_row < kReduceRows) tail_sums[virtual_row][lane] = acc[k];
+      }
+      __syncthreads();
+      if (thread_row == 0 && slot < slots) {
+        float total = 0.0f;
+        for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
+        if (slot < heads) {
+          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
+        } else {
+          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
+        }
+      }
+      __syncthreads();
     }
   }
 }
 
-// Ordered pass: one block of kReduceThreads per group of kReduceSlotsPerBlock output slots
-// (of the 2 * heads), summing in the order of Note [Gate ordered sum], which depends on
-// programs_t only, never on scheduling.
+// Ordered pass: block (kReduceSlotsPerBlock lanes x kReduceRows rows). Lane = one of the
+// 2 * heads output slots (coalesced across a warp); row r sums partial rows r, r + R,
+// r + 2R, ... sequentially; then row 0 adds the R row sums in row order. The order
+// depends on programs_t only, never on scheduling.
 template <typename Param>
-__global__ void __launch_bounds__(kReduceThreads)
+__global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
     gate_reduce_partials_kernel(const float* partials, int64_t programs_t, int64_t heads,
                                 Param* dA_log, Param* ddt_bias) {
-  __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
-  ordered_sum_slot_group(partials, programs_t, heads,
-                         static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock, dA_log, ddt_bias,
-                         chunk_sums);
+  __shared__ float sums[kReduceRows][kReduceSlotsPerBlock];
+  const int lane = threadIdx.x % kReduceSlotsPerBlock;
+  const int row = threadIdx.x / kReduceSlotsPerBlock;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock + lane;
+  const int64_t slots = 2 * heads;
+  float acc = 0.0f;
+  if (slot < slots) {
+#pragma unroll 8
+    for (int64_t p = row; p < programs_t; p += kReduceRows)
+      acc += __ldg(partials + p * slots + slot);
+  }
+  sums[row][lane] = acc;
+  __syncthreads();
+  if (row != 0 || slot >= slots) return;
+  float total = 0.0f;
+  for (int r = 0; r < kReduceRows; ++r) total += sums[r][lane];
+  if (slot < heads) {
+    store_from_float(dA_log + slot, total);
+  } else {
+    store_from_float(ddt_bias + (slot - heads), total);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -675,7 +668,7 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
   dispatch_kind(param_kind, [&](auto param_tag) {
     using Param = decltype(param_tag);
-    gate_reduce_partials_kernel<Param><<<grid, kReduceThreads, 0, stream>>>(
+    gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
         partials, programs_t, heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
   });
   return cudaGetLastError();

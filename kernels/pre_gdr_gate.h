@@ -73,10 +73,9 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
 double gate_tile_static_cost(const GateTile& tile, const GateShape& shape,
                              int input_element_bytes = 2);
 
-// Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu):
-// one block of kReduceThreads per kReduceSlotsPerBlock of the 2 * heads output slots.
+// Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu).
 constexpr int kReduceSlotsPerBlock = 32;
-constexpr int kReduceThreads = 256;
+constexpr int kReduceRows = 32;
 
 struct GateForwardArgs {
   GateShape shape;
@@ -118,18 +117,16 @@ enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 constexpr int kSinglePassMinThreads = 256;
 constexpr int kGateTicketSlots = 4096;
 
-// The most partial rows (programs_t) for which the automatic choice takes the single pass.
-constexpr int64_t kSinglePassMaxPrograms = 256;
+// Partial rows the single-pass tail loads per virtual row in one round.
+constexpr int kSinglePassTailUnroll = 8;
 
 // The automatic choice between the ordered variants, a pure function of tile and shape
 // (both give the same bits, so this is about speed alone): single pass when the tile
 // allows it, one row of programs covers every head, 2 * heads fits one 32-slot group and
-// there are at most kSinglePassMaxPrograms partial rows: the small, launch-bound shapes
-// such as the 0.8B one (256 rows of 32 slots). Two pass otherwise: on the H200 the old
-// single-pass tail (before Note [Gate ordered sum]) measured slower as soon as it took
-// two rounds of loads or its grid (90 registers per thread) took a second wave. The
-// rule is unchanged with the reworked tail until the GPU run measures it
-// (bench/pre_gdr_gate_bench prints the forced single-pass time at every shape).
+// the programs' partial rows fit one round of tail loads (32 x kSinglePassTailUnroll):
+// the small, launch-bound shapes such as the 0.8B one. Two pass otherwise: on the H200
+// the single pass measured slower as soon as its tail took two rounds or its grid
+// (90 registers per thread) took a second wave.
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Whether launch_pre_gdr_gate_forward takes the vectorised kernel for these arguments:
@@ -149,8 +146,7 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
                                  GateReduction reduction, float* out, CUstream_st* stream);
 
 // Ordered second pass: sums the partial rows in a fixed order that depends only on
-// programs_t (Note [Gate ordered sum] in the .cu), then writes dA_log / ddt_bias ([heads],
-// param_kind).
+// programs_t, then writes dA_log / ddt_bias ([heads], param_kind).
 int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t, int64_t heads,
                                         ScalarKind param_kind, void* dA_log, void* ddt_bias,
                                         CUstream_st* stream);

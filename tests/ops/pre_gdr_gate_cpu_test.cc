@@ -173,8 +173,7 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
 TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
   // Both ordered variants give the same bits; the rule only trades the single pass's
   // one-block tail against a second launch. The 0.8B shape's deterministic tile reads
-  // 256 x 32 partial sums (kSinglePassMaxPrograms rows, one slot group): single pass.
-  // 65536 x 64: two pass.
+  // 256 x 32 partial sums (one round of loads): single pass. 65536 x 64: two pass.
   auto preferred = [](int64_t tokens, int64_t heads) {
     const kernels::GateShape shape{1, tokens, heads};
     const kernels::GateTile tile =
