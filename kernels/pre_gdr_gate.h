@@ -33,6 +33,11 @@ struct GateShape {
   int64_t tokens() const { return dim0 * dim1; }
 };
 
+// Note [Gate backward virtual rows] (in the .cu): a program's tokens are summed per head
+// in kGateVirtualRowsPerRow * rows virtual rows (token i of the tile in row i % that),
+// then the rows in order; the scalar and the vectorised backward both follow it.
+constexpr int kGateVirtualRowsPerRow = 4;
+
 // One backward tile: each program reduces block_t tokens x block_h heads with `threads`
 // threads laid out as (threads / block_h) token rows of block_h head lanes.
 struct GateTile {
@@ -54,7 +59,8 @@ struct GateBackwardLaunch {
   int64_t programs_t = 0;      // grid.x
   int64_t programs_h = 0;      // grid.y
   int rows = 0;                // token rows per program = threads / block_h
-  int64_t shared_bytes = 0;    // 2 * rows * block_h floats
+  int virtual_rows = 0;        // kGateVirtualRowsPerRow * rows (the in-block sum order)
+  int64_t shared_bytes = 0;    // 2 * virtual_rows * block_h floats
   int64_t scratch_floats = 0;  // ordered mode: programs_t * 2 * heads partial sums
   int64_t num_programs() const { return programs_t * programs_h; }
 };
@@ -134,6 +140,14 @@ bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& 
 // aligned to 4 elements and g, beta to 16 bytes. Otherwise the scalar (strided) kernel
 // runs; both compute every element with the same calls, so the bits are the same.
 bool pre_gdr_gate_forward_is_vectorised(const GateForwardArgs& args);
+
+// Whether launch_pre_gdr_gate_backward takes the vectorised element pass for these
+// arguments and tile: a, b, grad_g, grad_beta contiguous, heads and tile.block_h multiples
+// of 4, 32-bit indices, a, b, da, db aligned to 4 elements and grad_g, grad_beta to 16
+// bytes. Otherwise the scalar (strided) pass runs; both follow Note [Gate backward
+// virtual rows] and compute every element with the same calls, so for the same tile
+// da, db and the per-program sums are the same bits.
+bool pre_gdr_gate_backward_is_vectorised(const GateBackwardArgs& args, const GateTile& tile);
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);
