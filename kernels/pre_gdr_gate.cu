@@ -283,130 +283,95 @@ __global__ void __launch_bounds__(kForwardThreads)
   }
 }
 
-// One program = block_t tokens x block_h heads. Thread (row, lane) owns head
-// blockIdx.y * block_h + lane and walks tokens row, row + rows, ... of the tile in batches
-// of kBackwardBatch (all loads of a batch before its stores, as in the forward), keeping
-// its two per-head sums in registers in token order; the rows are then combined in
-// shared memory in row order. The in-block sum is thus a fixed order in every mode.
-constexpr int kBackwardBatch = 4;
+// One program = block_t tokens x block_h heads, tile.threads threads; rows = threads /
+// block_h. Note [Gate backward virtual rows]: the in-block order of the per-head sums
+// (dg * g and da), a pure function of the tile, shared by the scalar and the vectorised
+// kernel so that both give the same per-program sums bit for bit. The program's tokens
+// t_begin + i are dealt to R = kGateVirtualRowsPerRow * rows virtual rows, token i to
+// virtual row i % R. Each virtual row sums its tokens' terms from 0.0f in token order;
+// the program's sum is then the virtual-row sums added from 0.0f in virtual-row order,
+// over rows 0 .. min(R, block_t) - 1 (a row past block_t has no token: its sum is +0.0f,
+// and adding +0.0f to a running sum that started at +0.0f never changes it, so leaving
+// those rows out is exact).
+// - Scalar kernel: thread (row, lane) owns head lane and walks tokens row, row + rows,
+//   ... in batches of kBackwardBatch = kGateVirtualRowsPerRow (all loads of a batch
+//   before its stores, as in the forward). The k-th token of every batch falls in virtual
+//   row row + k * rows, so the thread keeps one pair of sums per k.
+// - Vectorised kernel (gate_backward_rows_vec): thread (vrow, vlane) owns kBackwardVec =
+//   kGateVirtualRowsPerRow adjacent heads and walks the tokens of virtual row vrow (vrow,
+//   vrow + R, ...) with one 8- or 16-byte load per operand and token; R = threads /
+//   (block_h / kBackwardVec) virtual rows are exactly its thread rows.
+// Both compute each element with gate_backward_element (same calls, same order), so da,
+// db and the per-head sums are the same bits whichever kernel runs.
+constexpr int kBackwardBatch = kGateVirtualRowsPerRow;
+constexpr int kBackwardVec = kGateVirtualRowsPerRow;
+// Tokens (of kBackwardVec heads) loaded per round. 1: 55-56 registers (ptxas, sm_90), so
+// four 256-thread programs fit an SM and the 512 programs of the 65536 x 64 ordered tile
+// are one wave on 132 SMs; 2 took 73-77 registers (three programs per SM, 1.3 waves).
+// Either way a round is 4 elements in flight per thread, as the scalar pass's batch.
+constexpr int kBackwardVecBatch = 1;
+static_assert(kBackwardVec == kForwardVec, "the backward reuses the forward's vector loads");
 
-// Note [Gate ordered sum]: the fixed order in which both ordered variants add the
-// programs' partial rows, a pure function of programs_t (P) alone. The P rows are cut
-// into kReduceChunks contiguous chunks of L = ceil(P / kReduceChunks) programs; each
-// chunk is summed from 0.0f in program order, and the chunk sums are then added from
-// 0.0f in chunk order. One block of 32 slot lanes x W warps computes a group of 32
-// slots: warp w sums chunks w, w + W, ... (kReduceChunks / W of them, independent, so
-// their loads are in flight together), the chunk sums meet in shared memory and warp 0
-// adds them. gate_reduce_partials_kernel (one block per slot group) and the single-pass
-// tail (one block walking the slot groups) both call ordered_sum_slot_group, so they
-// give the same bits by construction, whatever their block sizes (W only decides who
-// adds a chunk, not the order within it).
-constexpr int kReduceChunks = 32;
-constexpr int kReduceMaxChunksPerThread = kReduceChunks / (kReduceThreads / 32);
-constexpr int kReduceLoadUnroll = 2;  // programs of each chunk loaded per round
-
-template <typename Param>
-__device__ __forceinline__ void ordered_sum_slot_group(
-    const float* partials, int64_t programs_t, int64_t heads, int64_t slot_base, Param* dA_log,
-    Param* ddt_bias, float (&chunk_sums)[kReduceChunks][kReduceSlotsPerBlock]) {
-  const int lane = threadIdx.x % kReduceSlotsPerBlock;
-  const int warp = threadIdx.x / kReduceSlotsPerBlock;
-  const int warps = blockDim.x / kReduceSlotsPerBlock;
-  const int64_t slots = 2 * heads;
-  const int64_t slot = slot_base + lane;
-  const int64_t chunk_len = (programs_t + kReduceChunks - 1) / kReduceChunks;
-  // Chunk k of this thread: `count[k]` programs from `row[k]` on (0 when the chunk, the
-  // slot or the programs run out), read one row (slots floats) apart.
-  float acc[kReduceMaxChunksPerThread];
-  const float* row[kReduceMaxChunksPerThread];
-  int64_t count[kReduceMaxChunksPerThread];
-#pragma unroll
-  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-    const int64_t chunk = warp + k * warps;
-    const int64_t first = chunk * chunk_len;
-    acc[k] = 0.0f;
-    row[k] = partials + first * slots + slot;
-    count[k] = chunk < kReduceChunks && slot < slots && first < programs_t
-                   ? min(chunk_len, programs_t - first)
-                   : 0;
-  }
-#pragma unroll 1  // one round of loads at a time: few live registers
-  for (int64_t i0 = 0; i0 < chunk_len; i0 += kReduceLoadUnroll) {
-    float v[kReduceLoadUnroll][kReduceMaxChunksPerThread];
-#pragma unroll
-    for (int u = 0; u < kReduceLoadUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-        v[u][k] = i0 + u < count[k] ? __ldcg(row[k] + (i0 + u) * slots) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kReduceLoadUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-        if (i0 + u < count[k]) acc[k] += v[u][k];
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kReduceMaxChunksPerThread; ++k) {
-    const int chunk = warp + k * warps;
-    if (chunk < kReduceChunks) chunk_sums[chunk][lane] = acc[k];
-  }
-  __syncthreads();
-  if (warp == 0 && slot < slots) {
-    float total = 0.0f;
-#pragma unroll 8
-    for (int c = 0; c < kReduceChunks; ++c) total += chunk_sums[c][lane];
-    if (slot < heads) {
-      store_from_float(dA_log + slot, total);
-    } else {
-      store_from_float(ddt_bias + (slot - heads), total);
-    }
-  }
-  __syncthreads();  // chunk_sums is reused by the next group
+// The per-element backward: da, db and the two per-head terms, added to the sums.
+__device__ __forceinline__ void gate_backward_element(float a, float b, float dg, float dbeta,
+                                                      float neg_exp_A, float dt, float& da,
+                                                      float& db, float& sum_A_log,
+                                                      float& sum_dt_bias) {
+  float softplus, softplus_grad;
+  gate_softplus_and_grad_select(a + dt, softplus, softplus_grad);
+  const float g = neg_exp_A * softplus;
+  const float da_value = dg * (neg_exp_A * softplus_grad);
+  const float beta = gate_sigmoid(b);
+  da = da_value;
+  db = dbeta * beta * (1.0f - beta);
+  sum_A_log += dg * g;
+  sum_dt_bias += da_value;
 }
 
-// Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
-// its partial row, then takes a ticket from an unsigned counter; the program that draws
-// the last ticket sums all partial rows itself and resets the counter to 0 for the next
-// launch that uses it. The integer ticket only elects who sums; it carries no data. The
-// last program adds the rows with ordered_sum_slot_group, as gate_reduce_partials_kernel
-// does (Note [Gate ordered sum]), so the single-pass and two-pass variants give the same
-// bits and choosing between them is a matter of speed alone. It saves the second launch,
-// which dominates at small (launch-bound) shapes. The tail spreads each 32-slot group
-// over all the block's threads (at least 8 warps, each summing up to 4 contiguous chunks
-// with their loads in flight together) and keeps few values live, so it does not raise
-// the kernel's register count (which the main loop's occupancy pays for).
-//
-// Counters: a fixed device array, zero at module load, so no allocation or memset is
-// needed (not even under graph capture). The host hands each eager stream one slot and
-// each captured launch a slot of its own (ops/pre_gdr_gate_cuda.cc), so two launches
-// that may run concurrently never share a counter.
-__device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
+// kBackwardVec floats stored as one aligned vector of the output type, each rounded as
+// store_from_float rounds it (round to nearest even).
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float (&v)[4]) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const uint32_t*>(&lo);
+  raw.y = *reinterpret_cast<const uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+__device__ __forceinline__ void store_vec(__half* p, const float (&v)[4]) {
+  const __half2 lo = __floats2half2_rn(v[0], v[1]);
+  const __half2 hi = __floats2half2_rn(v[2], v[3]);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const uint32_t*>(&lo);
+  raw.y = *reinterpret_cast<const uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
 
-template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat>
-__global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
-                                     TokenDecoder<Index> dec, int block_t, int block_h,
-                                     float* out) {
-  extern __shared__ float row_sums[];  // [2][rows][block_h]
-  __shared__ bool is_last_program;
+// Scalar element pass (any strides, any head count): fills row_sums ([2][R][block_h]) in
+// the order of Note [Gate backward virtual rows].
+template <typename In, typename Param, typename Index, bool kFlat>
+__device__ __forceinline__ void gate_backward_rows_scalar(const GateBackwardArgs& args, Index heads,
+                                                          TokenDecoder<Index> dec, Index t_begin,
+                                                          Index t_end, int block_h,
+                                                          float* row_sums) {
   const In* a = static_cast<const In*>(args.a.data);
   const In* b = static_cast<const In*>(args.b.data);
   const float* grad_g = static_cast<const float*>(args.grad_g.data);
   const float* grad_beta = static_cast<const float*>(args.grad_beta.data);
   In* da = static_cast<In*>(args.da);
   In* db = static_cast<In*>(args.db);
-
   const int rows = blockDim.x / block_h;
+  const int virtual_rows = kBackwardBatch * rows;
   const int lane = threadIdx.x % block_h;
   const int row = threadIdx.x / block_h;
   const Index h = static_cast<Index>(blockIdx.y) * block_h + lane;
-  const Index t_begin = static_cast<Index>(blockIdx.x) * block_t;
-  const Index t_end = min(t_begin + static_cast<Index>(block_t), tokens);
 
-  float sum_A_log = 0.0f;
-  float sum_dt_bias = 0.0f;
+  float sum_A_log[kBackwardBatch], sum_dt_bias[kBackwardBatch];  // virtual row row + k * rows
+#pragma unroll
+  for (int k = 0; k < kBackwardBatch; ++k) sum_A_log[k] = sum_dt_bias[k] = 0.0f;
   if (h < heads) {
     const float neg_exp_A = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
     const float dt = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
@@ -436,29 +401,148 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
       for (int k = 0; k < kBackwardBatch; ++k) {
         const Index t = t0 + k * rows;
         if (t < t_end) {
-          float softplus, softplus_grad;
-          gate_softplus_and_grad_select(a_val[k] + dt, softplus, softplus_grad);
-          const float g = neg_exp_A * softplus;
-          const float da_value = dg[k] * (neg_exp_A * softplus_grad);
-          const float beta = gate_sigmoid(b_val[k]);
+          float da_value, db_value;
+          gate_backward_element(a_val[k], b_val[k], dg[k], dbeta[k], neg_exp_A, dt, da_value,
+                                db_value, sum_A_log[k], sum_dt_bias[k]);
           const Index e = t * heads + h;
           store_from_float(da + e, da_value);
-          store_from_float(db + e, dbeta[k] * beta * (1.0f - beta));
-          sum_A_log += dg[k] * g;
-          sum_dt_bias += da_value;
+          store_from_float(db + e, db_value);
         }
       }
     }
   }
-  row_sums[row * block_h + lane] = sum_A_log;
-  row_sums[(rows + row) * block_h + lane] = sum_dt_bias;
+#pragma unroll
+  for (int k = 0; k < kBackwardBatch; ++k) {
+    const int virtual_row = row + k * rows;
+    row_sums[virtual_row * block_h + lane] = sum_A_log[k];
+    row_sums[(virtual_rows + virtual_row) * block_h + lane] = sum_dt_bias[k];
+  }
+}
+
+// Vectorised element pass (every operand contiguous [tokens, heads], heads and block_h
+// multiples of kBackwardVec, 32-bit indices, a, b, da, db aligned to kBackwardVec
+// elements and grad_g, grad_beta to 16 bytes; backward_vectorisable): the forward's
+// recipe. Each thread owns kBackwardVec adjacent heads for the whole program, so the
+// per-head constants live in registers and there is no per-element index division;
+// a, b (8 bytes for 16-bit types, 16 for FP32), grad_g, grad_beta (16 bytes) are loaded
+// and da, db stored as one vector per token. Same order as the scalar pass (Note [Gate
+// backward virtual rows]).
+template <typename In, typename Param>
+__device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& args, int32_t heads,
+                                                       int32_t t_begin, int32_t t_end, int block_h,
+                                                       float* row_sums) {
+  const In* a = static_cast<const In*>(args.a.data);
+  const In* b = static_cast<const In*>(args.b.data);
+  const float* grad_g = static_cast<const float*>(args.grad_g.data);
+  const float* grad_beta = static_cast<const float*>(args.grad_beta.data);
+  In* da = static_cast<In*>(args.da);
+  In* db = static_cast<In*>(args.db);
+  const int vlanes = block_h / kBackwardVec;
+  const int virtual_rows = blockDim.x / vlanes;  // = kGateVirtualRowsPerRow * rows
+  const int vlane = threadIdx.x % vlanes;
+  const int vrow = threadIdx.x / vlanes;
+  const int32_t h0 = static_cast<int32_t>(blockIdx.y) * block_h + vlane * kBackwardVec;
+
+  float sum_A_log[kBackwardVec], sum_dt_bias[kBackwardVec];  // head h0 + j, virtual row vrow
+#pragma unroll
+  for (int j = 0; j < kBackwardVec; ++j) sum_A_log[j] = sum_dt_bias[j] = 0.0f;
+  if (h0 < heads) {  // heads is a multiple of kBackwardVec: a vector is all in or all out
+    float neg_exp_A[kBackwardVec], dt[kBackwardVec];
+#pragma unroll
+    for (int j = 0; j < kBackwardVec; ++j) {
+      neg_exp_A[j] = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h0 + j));
+      dt[j] = load_as_float(static_cast<const Param*>(args.dt_bias) + h0 + j);
+    }
+    for (int32_t t0 = t_begin + vrow; t0 < t_end; t0 += kBackwardVecBatch * virtual_rows) {
+      float a_val[kBackwardVecBatch][kBackwardVec], b_val[kBackwardVecBatch][kBackwardVec];
+      float dg[kBackwardVecBatch][kBackwardVec], dbeta[kBackwardVecBatch][kBackwardVec];
+#pragma unroll
+      for (int k = 0; k < kBackwardVecBatch; ++k) {
+        const int32_t t = t0 + k * virtual_rows;
+        if (t < t_end) {
+          const int32_t e = t * heads + h0;
+          load_vec(a + e, a_val[k]);
+          load_vec(b + e, b_val[k]);
+          load_vec(grad_g + e, dg[k]);
+          load_vec(grad_beta + e, dbeta[k]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kBackwardVecBatch; ++k) {
+        const int32_t t = t0 + k * virtual_rows;
+        if (t < t_end) {
+          float da_value[kBackwardVec], db_value[kBackwardVec];
+#pragma unroll
+          for (int j = 0; j < kBackwardVec; ++j) {
+            gate_backward_element(a_val[k][j], b_val[k][j], dg[k][j], dbeta[k][j], neg_exp_A[j],
+                                  dt[j], da_value[j], db_value[j], sum_A_log[j], sum_dt_bias[j]);
+          }
+          const int32_t e = t * heads + h0;
+          store_vec(da + e, da_value);
+          store_vec(db + e, db_value);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBackwardVec; ++j) {
+    row_sums[vrow * block_h + vlane * kBackwardVec + j] = sum_A_log[j];
+    row_sums[(virtual_rows + vrow) * block_h + vlane * kBackwardVec + j] = sum_dt_bias[j];
+  }
+}
+
+// Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
+// its partial row, then takes a ticket from an unsigned counter; the program that draws
+// the last ticket sums all partial rows itself and resets the counter to 0 for the next
+// launch that uses it. The integer ticket only elects who sums; it carries no data. The
+// last program adds the rows in exactly the order of gate_reduce_partials_kernel
+// (kReduceRows virtual rows per slot, row r summing programs r, r + kReduceRows, ... in
+// program order, then the rows added in row order), so the single-pass and two-pass
+// variants give the same bits and choosing between them is a matter of speed alone. It
+// saves the second launch, which dominates at small (launch-bound) shapes.
+//
+// Counters: a fixed device array, zero at module load, so no allocation or memset is
+// needed (not even under graph capture). The host hands each eager stream one slot and
+// each captured launch a slot of its own (ops/pre_gdr_gate_cuda.cc), so two launches
+// that may run concurrently never share a counter.
+__device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
+
+// Tail layout: 32 slot lanes x (threads / 32) thread rows, each thread owning
+// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 256).
+// Each round loads kTailUnroll programs of every owned virtual row before adding, so a
+// 32-slot group of up to 256 partial rows is one round of independent loads: the tail's
+// latency is then about one L2 round trip (this instantiation alone pays the registers).
+constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
+constexpr int kTailUnroll = kSinglePassTailUnroll;
+
+template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat, bool kVec>
+__global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
+                                     TokenDecoder<Index> dec, int block_t, int block_h,
+                                     float* out) {
+  static_assert(!kVec || (kFlat && std::is_same_v<Index, int32_t>),
+                "the vectorised pass is for flat operands with 32-bit indices");
+  extern __shared__ float row_sums[];  // [2][virtual_rows][block_h]
+  __shared__ bool is_last_program;
+  const int virtual_rows = kGateVirtualRowsPerRow * (blockDim.x / block_h);
+  const Index t_begin = static_cast<Index>(blockIdx.x) * block_t;
+  const Index t_end = min(t_begin + static_cast<Index>(block_t), tokens);
+  if constexpr (kVec) {
+    gate_backward_rows_vec<In, Param>(args, heads, t_begin, t_end, block_h, row_sums);
+  } else {
+    gate_backward_rows_scalar<In, Param, Index, kFlat>(args, heads, dec, t_begin, t_end, block_h,
+                                                       row_sums);
+  }
   __syncthreads();
-  if (row == 0 && h < heads) {
+  // Note [Gate backward virtual rows]: the virtual-row sums in virtual-row order.
+  const int head_lane = threadIdx.x;
+  const Index h = static_cast<Index>(blockIdx.y) * block_h + head_lane;
+  if (head_lane < block_h && h < heads) {
+    const int used_rows = min(virtual_rows, block_t);
     float total_A_log = 0.0f;
     float total_dt_bias = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      total_A_log += row_sums[r * block_h + lane];
-      total_dt_bias += row_sums[(rows + r) * block_h + lane];
+    for (int r = 0; r < used_rows; ++r) {
+      total_A_log += row_sums[r * block_h + head_lane];
+      total_dt_bias += row_sums[(virtual_rows + r) * block_h + head_lane];
     }
     if constexpr (kMode == GateReduction::kAtomic) {
       atomicAdd(out + h, total_A_log);
@@ -487,29 +571,93 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
     }
     __syncthreads();
     if (!is_last_program) return;
-    __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
-#pragma unroll 1
-    for (int64_t slot_base = 0; slot_base < 2 * static_cast<int64_t>(heads);
-         slot_base += kReduceSlotsPerBlock) {
-      ordered_sum_slot_group(static_cast<const float*>(out), static_cast<int64_t>(gridDim.x),
-                             static_cast<int64_t>(heads), slot_base,
-                             static_cast<Param*>(args.dA_log), static_cast<Param*>(args.ddt_bias),
-                             chunk_sums);
+    __shared__ float tail_sums[kReduceRows][kReduceSlotsPerBlock];
+    const int lane = threadIdx.x % kReduceSlotsPerBlock;
+    const int thread_row = threadIdx.x / kReduceSlotsPerBlock;
+    const int thread_rows = blockDim.x / kReduceSlotsPerBlock;
+    const int64_t slots = 2 * static_cast<int64_t>(heads);
+    const int64_t programs_t = gridDim.x;
+    for (int64_t slot_base = 0; slot_base < slots; slot_base += kReduceSlotsPerBlock) {
+      const int64_t slot = slot_base + lane;
+      float acc[kTailRowsPerThread];
+#pragma unroll
+      for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] = 0.0f;
+      // Virtual row thread_row + k * thread_rows takes programs of that residue mod
+      // kReduceRows in increasing order; kTailUnroll of them are loaded per round so the
+      // loads of all virtual rows are in flight together.
+      for (int64_t p0 = 0; p0 < programs_t; p0 += int64_t{kReduceRows} * kTailUnroll) {
+        float v[kTailUnroll][kTailRowsPerThread];
+#pragma unroll
+        for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+          for (int k = 0; k < kTailRowsPerThread; ++k) {
+            const int virtual_row = thread_row + k * thread_rows;
+            const int64_t p = p0 + int64_t{u} * kReduceRows + virtual_row;
+            v[u][k] = virtual_row < kReduceRows && p < programs_t && slot < slots
+                          ? __ldcg(out + p * slots + slot)
+                          : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+          for (int k = 0; k < kTailRowsPerThread; ++k) {
+            const int virtual_row = thread_row + k * thread_rows;
+            if (virtual_row < kReduceRows &&
+                p0 + int64_t{u} * kReduceRows + virtual_row < programs_t)
+              acc[k] += v[u][k];
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kTailRowsPerThread; ++k) {
+        const int virtual_row = thread_row + k * thread_rows;
+        if (virtual_row < kReduceRows) tail_sums[virtual_row][lane] = acc[k];
+      }
+      __syncthreads();
+      if (thread_row == 0 && slot < slots) {
+        float total = 0.0f;
+        for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
+        if (slot < heads) {
+          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
+        } else {
+          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
+        }
+      }
+      __syncthreads();
     }
   }
 }
 
-// Ordered pass: one block of kReduceThreads per group of kReduceSlotsPerBlock output slots
-// (of the 2 * heads), summing in the order of Note [Gate ordered sum], which depends on
-// programs_t only, never on scheduling.
+// Ordered pass: block (kReduceSlotsPerBlock lanes x kReduceRows rows). Lane = one of the
+// 2 * heads output slots (coalesced across a warp); row r sums partial rows r, r + R,
+// r + 2R, ... sequentially; then row 0 adds the R row sums in row order. The order
+// depends on programs_t only, never on scheduling.
 template <typename Param>
-__global__ void __launch_bounds__(kReduceThreads)
+__global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
     gate_reduce_partials_kernel(const float* partials, int64_t programs_t, int64_t heads,
                                 Param* dA_log, Param* ddt_bias) {
-  __shared__ float chunk_sums[kReduceChunks][kReduceSlotsPerBlock];
-  ordered_sum_slot_group(partials, programs_t, heads,
-                         static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock, dA_log, ddt_bias,
-                         chunk_sums);
+  __shared__ float sums[kReduceRows][kReduceSlotsPerBlock];
+  const int lane = threadIdx.x % kReduceSlotsPerBlock;
+  const int row = threadIdx.x / kReduceSlotsPerBlock;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock + lane;
+  const int64_t slots = 2 * heads;
+  float acc = 0.0f;
+  if (slot < slots) {
+#pragma unroll 8
+    for (int64_t p = row; p < programs_t; p += kReduceRows)
+      acc += __ldg(partials + p * slots + slot);
+  }
+  sums[row][lane] = acc;
+  __syncthreads();
+  if (row != 0 || slot >= slots) return;
+  float total = 0.0f;
+  for (int r = 0; r < kReduceRows; ++r) total += sums[r][lane];
+  if (slot < heads) {
+    store_from_float(dA_log + slot, total);
+  } else {
+    store_from_float(ddt_bias + (slot - heads), total);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -563,10 +711,31 @@ bool forward_vectorisable(const GateForwardArgs& args) {
          aligned_to(args.g, 16) && aligned_to(args.beta, 16);
 }
 
+// The vectorised backward's conditions (gate_backward_rows_vec): every operand flat,
+// heads and block_h multiples of kBackwardVec, 32-bit indices, a, b, da, db aligned to
+// one vector and grad_g, grad_beta to a float4. Anything else takes the scalar pass,
+// which keeps the same order (Note [Gate backward virtual rows]), so the bits are the
+// same either way.
+bool backward_vectorisable(const GateBackwardArgs& args, const GateTile& tile) {
+  const GateShape& shape = args.shape;
+  const int64_t vec_bytes = kBackwardVec * element_bytes(args.input_kind);
+  return is_flat(args.a, shape) && is_flat(args.b, shape) && is_flat(args.grad_g, shape) &&
+         is_flat(args.grad_beta, shape) && shape.heads % kBackwardVec == 0 &&
+         tile.block_h % kBackwardVec == 0 &&
+         fits_int32(shape, {args.a, args.b, args.grad_g, args.grad_beta}) &&
+         aligned_to(args.a.data, vec_bytes) && aligned_to(args.b.data, vec_bytes) &&
+         aligned_to(args.da, vec_bytes) && aligned_to(args.db, vec_bytes) &&
+         aligned_to(args.grad_g.data, 16) && aligned_to(args.grad_beta.data, 16);
+}
+
 }  // namespace
 
 bool pre_gdr_gate_forward_is_vectorised(const GateForwardArgs& args) {
   return forward_vectorisable(args);
+}
+
+bool pre_gdr_gate_backward_is_vectorised(const GateBackwardArgs& args, const GateTile& tile) {
+  return backward_vectorisable(args, tile);
 }
 
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream) {
@@ -628,6 +797,7 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
                                  GateReduction reduction, float* out, CUstream_st* stream) {
   if (args.shape.tokens() == 0 || args.shape.heads == 0) return cudaSuccess;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, args.shape);
+  const bool vectorised = backward_vectorisable(args, tile);
   const dim3 grid(static_cast<unsigned>(launch.programs_t),
                   static_cast<unsigned>(launch.programs_h));
   const size_t shared = static_cast<size_t>(launch.shared_bytes);
@@ -640,8 +810,11 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
       auto go = [&](auto index_tag, auto mode_tag) {
         using Index = decltype(index_tag);
         constexpr GateReduction kMode = decltype(mode_tag)::value;
-        auto kernel = flat ? gate_backward_kernel<In, Param, Index, kMode, true>
-                           : gate_backward_kernel<In, Param, Index, kMode, false>;
+        auto kernel = flat ? gate_backward_kernel<In, Param, Index, kMode, true, false>
+                           : gate_backward_kernel<In, Param, Index, kMode, false, false>;
+        if constexpr (std::is_same_v<Index, int32_t>) {
+          if (vectorised) kernel = gate_backward_kernel<In, Param, Index, kMode, true, true>;
+        }
         kernel<<<grid, tile.threads, shared, stream>>>(
             args, static_cast<Index>(args.shape.tokens()), static_cast<Index>(args.shape.heads),
             TokenDecoder<Index>{DividerFor<Index>(static_cast<Index>(args.shape.dim1))},
@@ -675,7 +848,7 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
   dispatch_kind(param_kind, [&](auto param_tag) {
     using Param = decltype(param_tag);
-    gate_reduce_partials_kernel<Param><<<grid, kReduceThreads, 0, stream>>>(
+    gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
         partials, programs_t, heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
   });
   return cudaGetLastError();

@@ -33,6 +33,11 @@ struct GateShape {
   int64_t tokens() const { return dim0 * dim1; }
 };
 
+// Note [Gate backward virtual rows] (in the .cu): a program's tokens are summed per head
+// in kGateVirtualRowsPerRow * rows virtual rows (token i of the tile in row i % that),
+// then the rows in order; the scalar and the vectorised backward both follow it.
+constexpr int kGateVirtualRowsPerRow = 4;
+
 // One backward tile: each program reduces block_t tokens x block_h heads with `threads`
 // threads laid out as (threads / block_h) token rows of block_h head lanes.
 struct GateTile {
@@ -54,7 +59,8 @@ struct GateBackwardLaunch {
   int64_t programs_t = 0;      // grid.x
   int64_t programs_h = 0;      // grid.y
   int rows = 0;                // token rows per program = threads / block_h
-  int64_t shared_bytes = 0;    // 2 * rows * block_h floats
+  int virtual_rows = 0;        // kGateVirtualRowsPerRow * rows (the in-block sum order)
+  int64_t shared_bytes = 0;    // 2 * virtual_rows * block_h floats
   int64_t scratch_floats = 0;  // ordered mode: programs_t * 2 * heads partial sums
   int64_t num_programs() const { return programs_t * programs_h; }
 };
@@ -73,10 +79,9 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
 double gate_tile_static_cost(const GateTile& tile, const GateShape& shape,
                              int input_element_bytes = 2);
 
-// Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu):
-// one block of kReduceThreads per kReduceSlotsPerBlock of the 2 * heads output slots.
+// Launch-parameter constants of the ordered second pass (a fixed shape: see the .cu).
 constexpr int kReduceSlotsPerBlock = 32;
-constexpr int kReduceThreads = 256;
+constexpr int kReduceRows = 32;
 
 struct GateForwardArgs {
   GateShape shape;
@@ -118,18 +123,16 @@ enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 constexpr int kSinglePassMinThreads = 256;
 constexpr int kGateTicketSlots = 4096;
 
-// The most partial rows (programs_t) for which the automatic choice takes the single pass.
-constexpr int64_t kSinglePassMaxPrograms = 256;
+// Partial rows the single-pass tail loads per virtual row in one round.
+constexpr int kSinglePassTailUnroll = 8;
 
 // The automatic choice between the ordered variants, a pure function of tile and shape
 // (both give the same bits, so this is about speed alone): single pass when the tile
 // allows it, one row of programs covers every head, 2 * heads fits one 32-slot group and
-// there are at most kSinglePassMaxPrograms partial rows: the small, launch-bound shapes
-// such as the 0.8B one (256 rows of 32 slots). Two pass otherwise: on the H200 the old
-// single-pass tail (before Note [Gate ordered sum]) measured slower as soon as it took
-// two rounds of loads or its grid (90 registers per thread) took a second wave. The
-// rule is unchanged with the reworked tail until the GPU run measures it
-// (bench/pre_gdr_gate_bench prints the forced single-pass time at every shape).
+// the programs' partial rows fit one round of tail loads (32 x kSinglePassTailUnroll):
+// the small, launch-bound shapes such as the 0.8B one. Two pass otherwise: on the H200
+// the single pass measured slower as soon as its tail took two rounds or its grid
+// (90 registers per thread) took a second wave.
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Whether launch_pre_gdr_gate_forward takes the vectorised kernel for these arguments:
@@ -137,6 +140,14 @@ bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& 
 // aligned to 4 elements and g, beta to 16 bytes. Otherwise the scalar (strided) kernel
 // runs; both compute every element with the same calls, so the bits are the same.
 bool pre_gdr_gate_forward_is_vectorised(const GateForwardArgs& args);
+
+// Whether launch_pre_gdr_gate_backward takes the vectorised element pass for these
+// arguments and tile: a, b, grad_g, grad_beta contiguous, heads and tile.block_h multiples
+// of 4, 32-bit indices, a, b, da, db aligned to 4 elements and grad_g, grad_beta to 16
+// bytes. Otherwise the scalar (strided) pass runs; both follow Note [Gate backward
+// virtual rows] and compute every element with the same calls, so for the same tile
+// da, db and the per-program sums are the same bits.
+bool pre_gdr_gate_backward_is_vectorised(const GateBackwardArgs& args, const GateTile& tile);
 
 // Returns 0 (cudaSuccess) or the CUDA error code of the launch.
 int launch_pre_gdr_gate_forward(const GateForwardArgs& args, CUstream_st* stream);
@@ -149,8 +160,7 @@ int launch_pre_gdr_gate_backward(const GateBackwardArgs& args, const GateTile& t
                                  GateReduction reduction, float* out, CUstream_st* stream);
 
 // Ordered second pass: sums the partial rows in a fixed order that depends only on
-// programs_t (Note [Gate ordered sum] in the .cu), then writes dA_log / ddt_bias ([heads],
-// param_kind).
+// programs_t, then writes dA_log / ddt_bias ([heads], param_kind).
 int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_t, int64_t heads,
                                         ScalarKind param_kind, void* dA_log, void* ddt_bias,
                                         CUstream_st* stream);

@@ -47,7 +47,8 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
   launch.programs_t = (shape.tokens() + tile.block_t - 1) / tile.block_t;
   launch.programs_h = (shape.heads + tile.block_h - 1) / tile.block_h;
   launch.rows = tile.threads / tile.block_h;
-  launch.shared_bytes = int64_t{2} * launch.rows * tile.block_h * int64_t{sizeof(float)};
+  launch.virtual_rows = kGateVirtualRowsPerRow * launch.rows;
+  launch.shared_bytes = int64_t{2} * launch.virtual_rows * tile.block_h * int64_t{sizeof(float)};
   launch.scratch_floats = launch.programs_t * 2 * shape.heads;
   return launch;
 }
@@ -55,7 +56,7 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch) {
   return tile.threads >= kSinglePassMinThreads && launch.programs_h == 1 &&
          launch.scratch_floats / launch.programs_t <= kReduceSlotsPerBlock &&
-         launch.programs_t <= kSinglePassMaxPrograms;
+         launch.programs_t <= int64_t{kReduceRows} * kSinglePassTailUnroll;
 }
 
 // The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table

@@ -100,6 +100,7 @@ struct PreGdrGateBackwardRecord {
   kernels::GateTile tile;
   SelectionSource source = SelectionSource::kStaticCost;
   kernels::GateBackwardLaunch launch;
+  bool vectorised = false;  // the vectorised element pass ran (else the scalar one)
 };
 PreGdrGateBackwardRecord pre_gdr_gate_last_backward();
 

@@ -287,6 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   record.tile = selection.config;
   record.source = selection.source;
   record.launch = launch;
+  record.vectorised = kernels::pre_gdr_gate_backward_is_vectorised(args, selection.config);
   gate_internal::record_backward(record);
   return {da, db, dA_log, ddt_bias};
 }

@@ -137,7 +137,14 @@ TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
   EXPECT_GE(launch.programs_h * tile.block_h, shape.heads);
   EXPECT_LT((launch.programs_h - 1) * tile.block_h, shape.heads);
   EXPECT_EQ(launch.rows * tile.block_h, tile.threads);
-  EXPECT_EQ(launch.shared_bytes, 2 * launch.rows * tile.block_h * 4);
+  // Note [Gate backward virtual rows]: kGateVirtualRowsPerRow virtual rows per token row,
+  // which are exactly the vectorised pass's thread rows (kGateVirtualRowsPerRow heads
+  // per thread), and two FP32 sums per virtual row and head in shared memory.
+  EXPECT_EQ(launch.virtual_rows, kernels::kGateVirtualRowsPerRow * launch.rows);
+  if (tile.block_h % kernels::kGateVirtualRowsPerRow == 0) {
+    EXPECT_EQ(launch.virtual_rows * (tile.block_h / kernels::kGateVirtualRowsPerRow), tile.threads);
+  }
+  EXPECT_EQ(launch.shared_bytes, 2 * launch.virtual_rows * tile.block_h * 4);
   EXPECT_EQ(launch.scratch_floats, launch.programs_t * 2 * shape.heads);
 }
 
@@ -173,8 +180,7 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
 TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
   // Both ordered variants give the same bits; the rule only trades the single pass's
   // one-block tail against a second launch. The 0.8B shape's deterministic tile reads
-  // 256 x 32 partial sums (kSinglePassMaxPrograms rows, one slot group): single pass.
-  // 65536 x 64: two pass.
+  // 256 x 32 partial sums (one round of loads): single pass. 65536 x 64: two pass.
   auto preferred = [](int64_t tokens, int64_t heads) {
     const kernels::GateShape shape{1, tokens, heads};
     const kernels::GateTile tile =

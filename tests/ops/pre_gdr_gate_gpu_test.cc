@@ -1,6 +1,6 @@
 // GPU tests of the pre-GDR gate (tag gpu): agreement with the libtorch composite,
-// dtypes, tails, strided inputs and gradients, the vectorised and scalar forward giving
-// the same bits, side streams, tile overrides, bit-exact
+// dtypes, tails, strided inputs and gradients, the vectorised and scalar forward and
+// backward giving the same bits, side streams, tile overrides, bit-exact
 // replay of the deterministic backward under contention, runtime mode switching, and
 // the real autograd dispatch taking the intended path.
 #include <ATen/ATen.h>
@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/autotune.h"
@@ -217,6 +219,109 @@ TEST_F(GateGpuTest, VectorisedAndScalarForwardGiveTheSameBits) {
     EXPECT_TRUE(at::allclose(beta.to(at::kDouble), beta_ref.to(at::kDouble), 1e-5, 1e-6))
         << context;
   }
+}
+
+// The backward has a vectorised element pass (a, b, grad_g, grad_beta contiguous and
+// aligned, heads and block_h multiples of 4) and a scalar one (anything else); Note [Gate
+// backward virtual rows] makes both sum in the same order for the same tile, and both
+// compute each element with the same calls. So in deterministic mode every output (da,
+// db and the per-head sums, through both ordered variants) must be the same bits
+// whichever pass runs, and in the atomic mode da and db must. Each case runs the same
+// values through the vectorised pass (fresh contiguous tensors), the flat scalar pass
+// (a and b, or grad_g and grad_beta, copied to an offset of one element: misaligned)
+// and the strided scalar pass (slices of a wider buffer), across dtypes, token tails,
+// several programs along heads (Hv 200 with 64-head programs), tiles with fewer tokens
+// than virtual rows (32x16x256: 64 virtual rows), and head counts that are not a
+// multiple of 4 (scalar only: checked against the composite).
+TEST_F(GateGpuTest, VectorisedAndScalarBackwardGiveTheSameBits) {
+  struct Case {
+    at::ScalarType in, param;
+    int64_t dim0, dim1, heads;
+    std::optional<GateTile> tile;  // nullopt: the op's own choice
+  };
+  const std::vector<Case> cases = {
+      {at::kBFloat16, at::kFloat, 1, 8192, 16, std::nullopt},
+      {at::kBFloat16, at::kFloat, 1, 65536, 64, std::nullopt},
+      {at::kFloat, at::kFloat, 1, 65536, 64, std::nullopt},
+      {at::kFloat, at::kFloat, 1, 16384, 32, std::nullopt},
+      {at::kHalf, at::kFloat, 3, 1001, 48, std::nullopt},
+      {at::kBFloat16, at::kBFloat16, 2, 3001, 200, GateTile{64, 64, 256}},
+      {at::kBFloat16, at::kFloat, 1, 1000, 16, GateTile{32, 16, 256}},
+      {at::kFloat, at::kFloat, 1, 777, 24, GateTile{100, 32, 128}},
+      {at::kBFloat16, at::kFloat, 1, 5, 4, GateTile{32, 16, 128}},
+      {at::kBFloat16, at::kFloat, 2, 515, 33, std::nullopt},
+      {at::kFloat, at::kFloat, 1, 300, 6, GateTile{64, 16, 256}},
+  };
+  auto misaligned = [](const at::Tensor& t) {
+    at::Tensor buffer = at::empty({t.numel() + 1}, t.options());
+    at::Tensor view = buffer.narrow(0, 1, t.numel()).view(t.sizes());
+    view.copy_(t);
+    return view;
+  };
+  auto strided = [](const at::Tensor& t) {
+    at::Tensor wide = at::zeros({t.size(0), t.size(1), 2 * t.size(2)}, t.options());
+    wide.narrow(2, t.size(2), t.size(2)).copy_(t);
+    return wide.narrow(2, t.size(2), t.size(2));
+  };
+  for (const Case& c : cases) {
+    set_pre_gdr_gate_tile_override(c.tile);
+    const std::string context = std::string(c10::toString(c.in)) + "/" + c10::toString(c.param) +
+                                " [" + std::to_string(c.dim0) + "," + std::to_string(c.dim1) + "," +
+                                std::to_string(c.heads) + "] tile " +
+                                (c.tile ? kernels::to_string(*c.tile) : std::string("auto"));
+    const Inputs x = make_inputs(c.dim0, c.dim1, c.heads, c.in, c.param);
+    Inputs mis_ab = x;
+    mis_ab.a = misaligned(x.a);
+    mis_ab.b = misaligned(x.b);
+    Inputs mis_grads = x;
+    mis_grads.grad_g = misaligned(x.grad_g);
+    mis_grads.grad_beta = misaligned(x.grad_beta);
+    Inputs sliced = x;
+    for (at::Tensor* t : {&sliced.a, &sliced.b, &sliced.grad_g, &sliced.grad_beta})
+      *t = strided(*t);
+    ASSERT_FALSE(sliced.a.is_contiguous());
+    const std::vector<std::pair<const char*, const Inputs*>> scalar_runs = {
+        {"misaligned a, b", &mis_ab},
+        {"misaligned grads", &mis_grads},
+        {"strided", &sliced},
+    };
+    for (bool deterministic : {true, false}) {
+      DeterministicModeGuard mode(deterministic);
+      for (OrderedVariant variant : {OrderedVariant::kTwoPass, OrderedVariant::kSinglePass}) {
+        if (!deterministic && variant == OrderedVariant::kSinglePass) continue;
+        set_pre_gdr_gate_ordered_variant(variant);
+        const std::string run_context =
+            context + (deterministic
+                           ? (variant == OrderedVariant::kTwoPass ? " two-pass" : " single-pass")
+                           : " atomic");
+        const bool single_pass_fits =
+            !deterministic || variant == OrderedVariant::kTwoPass ||
+            (c.tile ? c.tile->threads : 256) >= kernels::kSinglePassMinThreads;
+        if (!single_pass_fits) continue;
+        const Outputs vec = run_fused(x);
+        const PreGdrGateBackwardRecord vec_record = pre_gdr_gate_last_backward();
+        EXPECT_EQ(vec_record.vectorised, c.heads % 4 == 0 && vec_record.tile.block_h % 4 == 0)
+            << run_context;
+        if (deterministic && c.dim1 <= 8192) {
+          expect_close_to_composite(vec, run_composite(x), c.in, run_context);
+        }
+        for (const auto& [name, inputs] : scalar_runs) {
+          const Outputs scalar = run_fused(*inputs);
+          const PreGdrGateBackwardRecord record = pre_gdr_gate_last_backward();
+          EXPECT_FALSE(record.vectorised) << run_context << " " << name;
+          if (deterministic) {
+            EXPECT_EQ(record.tile, vec_record.tile) << run_context << " " << name;
+            expect_bitwise_equal(scalar, vec, run_context + " " + name);
+          } else {
+            EXPECT_TRUE(bitwise_equal(scalar[2], vec[2])) << run_context << " " << name << " da";
+            EXPECT_TRUE(bitwise_equal(scalar[3], vec[3])) << run_context << " " << name << " db";
+          }
+        }
+      }
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+    }
+  }
+  set_pre_gdr_gate_tile_override(std::nullopt);
 }
 
 TEST_F(GateGpuTest, OutputsCarvedFromOneAllocationBehaveAsSeparateTensors) {
