@@ -140,8 +140,7 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
 
 // The 3xTF32 step of one k-slice, in its fixed order (Note above).
 __device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4],
-                                           const uint32_t (&a_big)[4],
-                                           const uint32_t (&a_small)[4],
+                                           const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
                                            const uint32_t (&b_big)[2],
                                            const uint32_t (&b_small)[2]) {
   mma_m16n8k8_tf32(small, a_small, b_big);
@@ -161,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kNt = DK >= 128 ? 2 : 1;
   constexpr int kWarpsPerColumnGroup = kWarps * kNt / 2;  // warps sharing x_col0
   constexpr int kMt = DK / 16 / kWarpsPerColumnGroup;
-  constexpr int kLoads = kC * DK / kThreads;    // floats per thread per staged operand
+  constexpr int kLoads = kC * DK / kThreads;  // floats per thread per staged operand
   constexpr int kQuadsPerRow = DK / 4;
   constexpr int kTileElems = DK * kTile / kThreads;  // carry elements per thread (x_s maps)
   constexpr int kRowElems = kC * kTile / kThreads;   // R elements per thread (r_s maps)
@@ -187,7 +186,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int r_row0 = 16 * (warp % 4), r_col0 = 8 * (warp / 4);
   const int x_row0 = 16 * (warp % kWarpsPerColumnGroup);
   const int x_col0 = 8 * kNt * (warp / kWarpsPerColumnGroup);
-  auto x_row = [&](int q, int e) { return x_row0 + 16 * kWarpsPerColumnGroup * q + g + 8 * (e / 2); };
+  auto x_row = [&](int q, int e) {
+    return x_row0 + 16 * kWarpsPerColumnGroup * q + g + 8 * (e / 2);
+  };
   auto x_col = [&](int p, int e) { return x_col0 + 8 * p + 2 * t + e % 2; };
 
   auto quad_ok = [](const ChunkOperand& op) {
@@ -249,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float base_v[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      base_v[e] = base[(r_row0 + g + 8 * (e / 2)) * args.base.stride_row + col0 + r_col0 + 2 * t +
-                       e % 2];
+      base_v[e] =
+          base[(r_row0 + g + 8 * (e / 2)) * args.base.stride_row + col0 + r_col0 + 2 * t + e % 2];
     }
     const float decay = expf(args.g_last[bhn]);
 
