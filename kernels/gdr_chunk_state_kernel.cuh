@@ -24,8 +24,8 @@
 // applies) keeps all of this: the same grid and dv tiles, no cross-block or cross-warp
 // reduction (each warp owns whole output tiles of R and X' and sums over the full
 // contraction itself), and each output element is one warp's fixed sequence of mma.sync
-// instructions (3xTF32: the `small` accumulator takes a_small b_big then a_big b_small,
-// the `big` one a_big b_big, per k-step in increasing k, added once at the end) whose
+// instructions (3xTF32: accumulators big = sum a_big b_big, lo_a = sum a_small b_big,
+// lo_b = sum a_big b_small, each in increasing k, added once as big + (lo_a + lo_b)) whose
 // internal summation order the hardware fixes for given inputs. Its dGlast partials use
 // this kernel's slots and element sets. The two kernels round differently, so their bits
 // differ from each other (GDR_CHUNK_SCAN_TC selects one; kernels/gdr_chunk_state.h), but

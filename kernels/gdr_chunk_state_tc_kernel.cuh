@@ -19,9 +19,10 @@
 // big = tf32(x) (cvt.rna) and small = tf32(x - big) (x - big is exact in FP32), and a
 // product a * b is taken as a_big b_big + a_big b_small + a_small b_big (the dropped
 // a_small b_small and the rounding of small are ~2^-22 relative): FP32-level accuracy.
-// Per output tile a warp keeps two FP32 accumulators, `small` (first a_small b_big, then
-// a_big b_small, per k-step) and `big` (a_big b_big), walking k in increasing order, and
-// adds them once at the end (big + small): every output element is one warp's fixed
+// Per output tile a warp keeps three FP32 accumulators, `big` (a_big b_big), `lo_a`
+// (a_small b_big) and `lo_b` (a_big b_small), each walking k in increasing order (three
+// independent mma chains, so the chain is DK / 8 mma long, not 3 DK / 8), and adds them
+// once at the end as big + (lo_a + lo_b): every output element is one warp's fixed
 // sequence of mma instructions on fixed inputs, whose internal order the hardware fixes,
 // so the bits do not depend on scheduling.
 //
@@ -138,14 +139,28 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
   small = tf32_round(x - tf32_as_float(big));
 }
 
-// The 3xTF32 step of one k-slice, in its fixed order (Note above).
-__device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4],
-                                           const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
-                                           const uint32_t (&b_big)[2],
+// The three accumulators of one 16 x 8 output tile (Note above).
+struct Acc3 {
+  float big[4], lo_a[4], lo_b[4];
+};
+
+__device__ __forceinline__ void zero(Acc3& acc) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc.big[e] = acc.lo_a[e] = acc.lo_b[e] = 0.0f;
+}
+
+// The 3xTF32 step of one k-slice (Note above).
+__device__ __forceinline__ void mma_3xtf32(Acc3& acc, const uint32_t (&a_big)[4],
+                                           const uint32_t (&a_small)[4], const uint32_t (&b_big)[2],
                                            const uint32_t (&b_small)[2]) {
-  mma_m16n8k8_tf32(small, a_small, b_big);
-  mma_m16n8k8_tf32(small, a_big, b_small);
-  mma_m16n8k8_tf32(big, a_big, b_big);
+  mma_m16n8k8_tf32(acc.lo_a, a_small, b_big);
+  mma_m16n8k8_tf32(acc.lo_b, a_big, b_small);
+  mma_m16n8k8_tf32(acc.big, a_big, b_big);
+}
+
+// Element e of the tile's product.
+__device__ __forceinline__ float total(const Acc3& acc, int e) {
+  return acc.big[e] + (acc.lo_a[e] + acc.lo_b[e]);
 }
 
 // ----------------------------------------------------------------------------
@@ -271,7 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     {
-      float big[4] = {0.0f, 0.0f, 0.0f, 0.0f}, small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      Acc3 acc;
+      zero(acc);
       const float* a_rows = left_s + (r_row0 + g) * kPL + t;
       const float* b_rows = x_s + t * kPX + r_col0 + g;
 #pragma unroll 4
@@ -283,12 +299,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         split_tf32(a_rows[8 * kPL + k0 + 4], a_big[3], a_small[3]);
         split_tf32(b_rows[k0 * kPX], b_big[0], b_small[0]);
         split_tf32(b_rows[(k0 + 4) * kPX], b_big[1], b_small[1]);
-        mma_3xtf32(big, small, a_big, a_small, b_big, b_small);
+        mma_3xtf32(acc, a_big, a_small, b_big, b_small);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         r_s[(r_row0 + g + 8 * (e / 2)) * kPX + r_col0 + 2 * t + e % 2] =
-            base_v[e] + args.left_sign * (big[e] + small[e]);
+            base_v[e] + args.left_sign * total(acc, e);
       }
     }
     cp_async_wait_all();
@@ -320,14 +336,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     {
-      float big[kMt][kNt][4], small[kMt][kNt][4];
+      Acc3 acc[kMt][kNt];
 #pragma unroll
       for (int q = 0; q < kMt; ++q) {
 #pragma unroll
-        for (int p = 0; p < kNt; ++p) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) big[q][p][e] = small[q][p][e] = 0.0f;
-        }
+        for (int p = 0; p < kNt; ++p) zero(acc[q][p]);
       }
 #pragma unroll 2
       for (int c0 = 0; c0 < kC; c0 += 8) {
@@ -349,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           split_tf32(a[4 * kPR + 8], a_big[3], a_small[3]);
 #pragma unroll
           for (int p = 0; p < kNt; ++p) {
-            mma_3xtf32(big[q][p], small[q][p], a_big, a_small, b_big[p], b_small[p]);
+            mma_3xtf32(acc[q][p], a_big, a_small, b_big[p], b_small[p]);
           }
         }
       }
@@ -359,8 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int p = 0; p < kNt; ++p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            carry[q][p][e] = decay * carry[q][p][e] + extra_v[q][p][e] +
-                             args.right_sign * (big[q][p][e] + small[q][p][e]);
+            carry[q][p][e] =
+                decay * carry[q][p][e] + extra_v[q][p][e] + args.right_sign * total(acc[q][p], e);
             x_s[x_row(q, e) * kPX + x_col(p, e)] = carry[q][p][e];
           }
         }
