@@ -1,6 +1,8 @@
 // Benchmark of the chunked gated delta rule core on one GPU with step 7 (the inter-chunk
 // state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
-// loop (composite), and steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
+// loop (composite), the scan on tensor cores ("kernel (tc)", the default) and on the FP32
+// SIMT kernel ("kernel (simt)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), and
+// steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
 // through set_gdr_core_prep) against the ATen ops (aten): forward (autograd recording, as
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
@@ -24,12 +26,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench/cuda_timing.h"
+#include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
 
 namespace gdr {
@@ -94,40 +98,63 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     torch::autograd::grad({o}, leaves, {grad_o});
   };
 
-  // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen; the last
-  // arm (all ATen) is the baseline of the "vs composite" columns.
+  // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
+  // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
+  // SIMT kernel; the last arm (all ATen) is the baseline of the "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
+    bool scan_tc;
   };
-  const Arm arms[3] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel},
-                       {GdrCoreImpl::kKernel, GdrCorePrep::kAten},
-                       {GdrCoreImpl::kComposite, GdrCorePrep::kAten}};
-  Timings t[3];
-  for (int i = 0; i < 3; ++i) {
+  constexpr int kArms = 4;
+  const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
+                           {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
+  const char* scan_env = std::getenv("GDR_CHUNK_SCAN_TC");
+  const std::string saved_scan_env = scan_env ? scan_env : "";
+  Timings t[kArms];
+  for (int i = 0; i < kArms; ++i) {
     set_gdr_core_impl(arms[i].impl);
     set_gdr_core_prep(arms[i].prep);
+    setenv("GDR_CHUNK_SCAN_TC", arms[i].scan_tc ? "1" : "0", 1);
     forward();
     if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
       std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
                    to_string(gdr_core_last_step7()), to_string(gdr_core_last_prep()),
                    to_string(arms[i].impl), to_string(arms[i].prep));
     }
+    if (arms[i].impl == GdrCoreImpl::kKernel &&
+        kernels::chunk_state_scan_last_used_tensor_cores() != arms[i].scan_tc) {
+      std::fprintf(stderr, "gdr_core_bench: the scan ran on %s, expected %s\n",
+                   arms[i].scan_tc ? "SIMT" : "tensor cores",
+                   arms[i].scan_tc ? "tensor cores" : "SIMT");
+    }
     t[i].forward_ms = median_ms(forward);
     t[i].forward_backward_ms = median_ms(forward_backward);
   }
   set_gdr_core_impl(std::nullopt);
   set_gdr_core_prep(std::nullopt);
+  if (scan_env) {
+    setenv("GDR_CHUNK_SCAN_TC", saved_scan_env.c_str(), 1);
+  } else {
+    unsetenv("GDR_CHUNK_SCAN_TC");
+  }
 
   const double f = forward_flops(B, T, H, dk, dv);
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
-  for (int i = 0; i < 3; ++i) {
+  const Timings& base = t[kArms - 1];
+  for (int i = 0; i < kArms; ++i) {
+    const std::string step7 =
+        std::string(to_string(arms[i].impl)) + (arms[i].impl != GdrCoreImpl::kKernel ? ""
+                                                : arms[i].scan_tc                    ? " (tc)"
+                                                                                     : " (simt)");
     std::printf(
         "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
         static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
-        static_cast<long long>(dv), to_string(arms[i].impl), to_string(arms[i].prep),
-        t[i].forward_ms, t[2].forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms),
-        t[i].forward_backward_ms, t[2].forward_backward_ms / t[i].forward_backward_ms,
+        static_cast<long long>(dv), step7.c_str(), to_string(arms[i].prep), t[i].forward_ms,
+        base.forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms), t[i].forward_backward_ms,
+        base.forward_backward_ms / t[i].forward_backward_ms,
         tflops(3 * f, t[i].forward_backward_ms));
   }
   std::fflush(stdout);

@@ -23,7 +23,19 @@
 // extra, g_last, carry_in, rows_out, carries_out, carry_final, dot_with, dot_out are
 // contiguous FP32.
 // The launcher runs on the stream it is given. Results are deterministic: every output
-// element is one thread's fixed-order FP32 sum, with no atomics.
+// element is one thread's fixed-order FP32 sum (SIMT kernel) or one warp's fixed sequence
+// of 3xTF32 mma instructions (tensor-core kernel), with no atomics.
+//
+// Two kernels compute the same contract (see the Notes in kernels/gdr_chunk_state_kernel.cuh
+// and kernels/gdr_chunk_state_tc_kernel.cuh): the tensor-core kernel (mma.sync m16n8k8
+// TF32 with the 3xTF32 split, FP32-level accuracy) for every shape the scan supports
+// unless args.allow_tensor_cores is false, and the FP32 SIMT kernel otherwise (also if
+// the device refuses the tensor-core kernel's dynamic shared memory). The choice is
+// chunk_state_scan_uses_tensor_cores(dk, dv, allow), a pure function of the shapes and the
+// flag. The CUDA op layer (ops/gdr_core_cuda.cc) sets the flag from the environment on
+// every call: GDR_CHUNK_SCAN_TC=0 selects the SIMT kernel, anything else (or unset) the
+// tensor-core kernel. The two kernels round differently (both FP32-level), so their bits
+// differ from each other; each gives the same bits on every run.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +85,17 @@ struct ChunkStateScanArgs {
   // Summing a (bh, n)'s dv / 16 * 256 partials gives decay_n * <dot_with_n, X>.
   const float* dot_with = nullptr;  // [BH, N, dk, dv]
   float* dot_out = nullptr;         // [BH, N, dv / 16, 256]
+  // false: always the FP32 SIMT kernel (GDR_CHUNK_SCAN_TC=0 in the op layer).
+  bool allow_tensor_cores = true;
 };
+
+// Whether launch_chunk_state_scan runs the tensor-core kernel for these shapes (given a
+// supported shape, a device that grants its dynamic shared memory: all sm_80+ parts for
+// dk <= 128; dk = 256 needs 161 KiB).
+inline bool chunk_state_scan_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
+  return allow_tensor_cores && (dk == 64 || dk == 128 || dk == 256) && dv > 0 &&
+         dv % kChunkStateTileDv == 0;
+}
 
 // Partials per (bh, n) that dot_out holds.
 inline int64_t chunk_state_dot_partials(int64_t dv) {
@@ -84,5 +106,9 @@ inline int64_t chunk_state_dot_partials(int64_t dv) {
 // chunk_state_scan_supports(dk, dv) first; unsupported shapes return
 // cudaErrorInvalidValue without launching.
 int launch_chunk_state_scan(const ChunkStateScanArgs& args, CUstream_st* stream);
+
+// Whether the last successful launch_chunk_state_scan in this process ran the tensor-core
+// kernel (for tests and benchmarks; relaxed, process-wide).
+bool chunk_state_scan_last_used_tensor_cores();
 
 }  // namespace gdr::kernels

@@ -20,6 +20,16 @@
 // dGlast, which contracts over dv and so across blocks, leaves this kernel only as
 // per-thread partials (each slot written once by one thread) that the op layer sums in a
 // fixed order.
+// The tensor-core variant (kernels/gdr_chunk_state_tc_kernel.cuh, the default where it
+// applies) keeps all of this: the same grid and dv tiles, no cross-block or cross-warp
+// reduction (each warp owns whole output tiles of R and X' and sums over the full
+// contraction itself), and each output element is one warp's fixed sequence of mma.sync
+// instructions (3xTF32: accumulators big = sum a_big b_big, lo_a = sum a_small b_big,
+// lo_b = sum a_big b_small, each in increasing k, added once as big + (lo_a + lo_b)) whose
+// internal summation order the hardware fixes for given inputs. Its dGlast partials use
+// this kernel's slots and element sets. The two kernels round differently, so their bits
+// differ from each other (GDR_CHUNK_SCAN_TC selects one; kernels/gdr_chunk_state.h), but
+// each is bit-reproducible.
 #pragma once
 
 #include "kernels/gdr_chunk_state.h"

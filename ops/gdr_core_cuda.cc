@@ -15,6 +15,9 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string_view>
+
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_chunk_prep.h"
@@ -28,9 +31,20 @@ void check_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
+// GDR_CHUNK_SCAN_TC=0 selects the FP32 SIMT scan kernel; unset or anything else the
+// tensor-core (3xTF32) kernel where it applies (kernels/gdr_chunk_state.h). Read on every
+// call, so a process can A/B the two (setenv between calls; a captured CUDA graph keeps
+// the kernel it captured).
+bool scan_tensor_cores_allowed() {
+  const char* value = std::getenv("GDR_CHUNK_SCAN_TC");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
 // The scan on the current stream of the inputs' device, launch errors raised here.
 void launch_on_current_stream(const kernels::ChunkStateScanArgs& args, const char* what) {
-  check_launch(kernels::launch_chunk_state_scan(args, c10::cuda::getCurrentCUDAStream().stream()),
+  kernels::ChunkStateScanArgs chosen = args;
+  chosen.allow_tensor_cores = args.allow_tensor_cores && scan_tensor_cores_allowed();
+  check_launch(kernels::launch_chunk_state_scan(chosen, c10::cuda::getCurrentCUDAStream().stream()),
                what);
 }
 

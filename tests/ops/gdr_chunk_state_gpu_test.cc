@@ -2,7 +2,9 @@
 // products) against the CPU FP64 reference op, forward and backward; the whole
 // gated_delta_rule_chunked with the kernel against the composite step 7 (outputs and
 // gradients of q, k, v, g, beta, initial_state), T not a multiple of 64, two head dims;
-// the fall-backs to the composite; side streams; 100 bit-exact replays under load.
+// the fall-backs to the composite; side streams; 100 bit-exact replays under load. Both
+// scan kernels, tensor cores (3xTF32, the default) and FP32 SIMT (GDR_CHUNK_SCAN_TC=0),
+// against the same references, and each replayed bit-exactly under load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,6 +30,36 @@ namespace {
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
 using test_support::bitwise_equal;
+
+// Sets GDR_CHUNK_SCAN_TC for its lifetime (the op layer reads it at every call) and
+// restores the previous value.
+class ScopedScanKernel {
+ public:
+  explicit ScopedScanKernel(bool tensor_cores) {
+    const char* previous = std::getenv(kName);
+    had_previous_ = previous != nullptr;
+    if (had_previous_) previous_ = previous;
+    setenv(kName, tensor_cores ? "1" : "0", 1);
+  }
+  ~ScopedScanKernel() {
+    if (had_previous_) {
+      setenv(kName, previous_.c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ScopedScanKernel(const ScopedScanKernel&) = delete;
+  ScopedScanKernel& operator=(const ScopedScanKernel&) = delete;
+
+ private:
+  static constexpr const char* kName = "GDR_CHUNK_SCAN_TC";
+  bool had_previous_ = false;
+  std::string previous_;
+};
+
+const char* scan_kernel_name(bool tensor_cores) {
+  return tensor_cores ? "tensor-core scan" : "SIMT scan";
+}
 
 // max |x - ref| / max |ref| (ref in FP64 on the CPU).
 double relative_error(const at::Tensor& x, const at::Tensor& ref) {
@@ -122,6 +154,72 @@ TEST(ChunkStatePassGpu, ForwardAndBackwardMatchTheFp64CpuReference) {
       // FP32 against FP64 over at most 9 chunks of 64 rows: state-sized relative error.
       EXPECT_LE(relative_error(got[i], ref[i]), 1e-4) << context << " " << kResultNames[i];
     }
+  }
+}
+
+TEST(ChunkStatePassGpu, TensorCoreAndSimtScansBothMatchTheFp64CpuReference) {
+  const std::vector<OpCase> cases = {
+      {1, 2, 3, 128, 128, true, true},  {2, 3, 5, 64, 128, false, false},
+      {1, 2, 4, 256, 64, true, false},  {1, 1, 2, 128, 256, false, true},
+      {1, 16, 1, 128, 128, true, true}, {2, 2, 9, 64, 64, true, true},
+      {1, 4, 32, 128, 128, true, true},
+  };
+  for (const OpCase& c : cases) {
+    const std::string context = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + " N" +
+                                std::to_string(c.N) + " dk" + std::to_string(c.dk) + " dv" +
+                                std::to_string(c.dv);
+    const OpInputs ref_in = make_op_inputs(c, 70 + c.N);
+    const Results ref = run_op(ref_in);
+    const OpInputs x = to_cuda_fp32(ref_in);
+    Results got[2];
+    for (const bool tc : {true, false}) {
+      const ScopedScanKernel kernel(tc);
+      got[tc] = run_op(x);
+      EXPECT_EQ(kernels::chunk_state_scan_last_used_tensor_cores(), tc)
+          << context << " " << scan_kernel_name(tc) << " did not run";
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_EQ(got[tc][i].sizes(), ref[i].sizes()) << context << " " << kResultNames[i];
+        // Both FP32-level (3xTF32 or FP32 FMAs) against FP64: the tolerance of the test
+        // above.
+        const double err = relative_error(got[tc][i], ref[i]);
+        std::printf("%s %s %s: %.2e\n", context.c_str(), scan_kernel_name(tc), kResultNames[i],
+                    err);
+        EXPECT_LE(err, 1e-4) << context << " " << scan_kernel_name(tc) << " " << kResultNames[i];
+      }
+    }
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_LE(relative_error(got[true][i], got[false][i]), 1e-4)
+          << context << " tensor-core vs SIMT scan " << kResultNames[i];
+    }
+  }
+}
+
+TEST(ChunkStatePassGpu, EachScanKernelReplaysBitwiseWhileAnotherStreamLoadsTheGpu) {
+  // The training shape (B=1, H=16, T=2048 -> 32 chunks, dk = dv = 128).
+  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 16, 32, 128, 128, true, true}, 97));
+  for (const bool tc : {true, false}) {
+    const ScopedScanKernel kernel(tc);
+    const Results first = run_op(x);
+    EXPECT_EQ(kernels::chunk_state_scan_last_used_tensor_cores(), tc) << scan_kernel_name(tc);
+    std::optional<test_support::GpuContention> load(std::in_place);
+    int mismatches = 0;
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    for (int replay = 0; replay < 50; ++replay) {
+      Results again;
+      if (replay % 2 == 0) {
+        again = run_op(x);
+      } else {  // every other replay on a side stream
+        c10::cuda::getCurrentCUDAStream().synchronize();
+        c10::cuda::CUDAStreamGuard guard(side);
+        again = run_op(x);
+        side.synchronize();
+      }
+      for (size_t i = 0; i < again.size(); ++i)
+        mismatches += bitwise_equal(again[i], first[i]) ? 0 : 1;
+    }
+    load.reset();
+    EXPECT_EQ(mismatches, 0) << scan_kernel_name(tc)
+                             << ": the chunk state pass must give identical bits on every replay";
   }
 }
 
@@ -250,6 +348,36 @@ TEST_F(GdrCoreKernelGpu, KernelStepMatchesTheCompositeStepInOutputsAndGradients)
       // composite (a factor 4 for rounding luck) and close to it.
       EXPECT_LE(err_kernel, std::max(1e-4, 4.0 * err_composite)) << context << " " << names[i];
       EXPECT_LE(err_between, 1e-3) << context << " " << names[i];
+    }
+  }
+}
+
+TEST_F(GdrCoreKernelGpu, KernelStepOnTheSimtScanAlsoMatchesTheComposite) {
+  // The test above runs the default scan kernel (tensor cores); this one the SIMT kernel
+  // (GDR_CHUNK_SCAN_TC=0) on one shape, with the same bounds.
+  const CoreCase c{1, 200, 4, 128, 128, true};
+  const CoreInputs x =
+      make_core_inputs(c.B, c.T, c.H, c.dk, c.dv, c.initial_state, at::kFloat, 21 + c.T);
+  const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, kCuda);
+  const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, kCuda);
+  set_gdr_core_impl(GdrCoreImpl::kComposite);
+  const Results composite = run_core(x, w_o, w_s);
+  const Results exact =
+      run_core(to_cpu_fp64(x), w_o.to(at::kCPU, at::kDouble), w_s.to(at::kCPU, at::kDouble));
+  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  for (const bool tc : {true, false}) {
+    const ScopedScanKernel kernel(tc);
+    const Results got = run_core(x, w_o, w_s);
+    EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel);
+    EXPECT_EQ(kernels::chunk_state_scan_last_used_tensor_cores(), tc) << scan_kernel_name(tc);
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double err_kernel = relative_error(got[i], exact[i]);
+      const double err_composite = relative_error(composite[i], exact[i]);
+      std::printf("%s output %zu: kernel %.2e, composite %.2e (vs FP64)\n", scan_kernel_name(tc), i,
+                  err_kernel, err_composite);
+      EXPECT_LE(err_kernel, std::max(1e-4, 4.0 * err_composite))
+          << scan_kernel_name(tc) << " " << i;
+      EXPECT_LE(relative_error(got[i], composite[i]), 1e-3) << scan_kernel_name(tc) << " " << i;
     }
   }
 }

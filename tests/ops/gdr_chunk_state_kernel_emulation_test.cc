@@ -3,9 +3,12 @@
 // thread, a barrier for __syncthreads, function statics for __shared__, one block at a
 // time) and checked against a plain FP64 loop written from the recurrence in
 // kernels/gdr_chunk_state.h: every dk the kernel supports, one and several dv tiles,
-// both walk directions, operands that are strided and offset views of wider rows. Then
-// the CUDA op's own code (chunk_state_internal::forward_via_scan / backward_via_scan)
-// runs with the emulated kernel against the CPU reference op. This proves the kernel's
+// both walk directions, operands that are strided and offset views of wider rows. The
+// same cases run the tensor-core kernel (kernels/gdr_chunk_state_tc_kernel.cuh), whose
+// warp-collective mma.sync and cvt.rna.tf32 are emulated here (per-warp scratch and
+// barrier; see the stand-ins below), with a bound that only 3xTF32 meets. Then the CUDA
+// op's own code (chunk_state_internal::forward_via_scan / backward_via_scan) runs with
+// each emulated kernel against the CPU reference op. This proves the kernel's
 // indexing and barriers and the op's layouts and formulas on machines without a GPU;
 // speed, streams and the real hardware are the GPU test's business.
 #include <ATen/ATen.h>
@@ -14,6 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,14 +27,11 @@
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_chunk_state.h"
 
-// Host stand-ins for the CUDA built-ins the kernel uses (and nothing else; see the NOTE
-// in the .cuh). Blocks run one after another, so function statics serve as shared memory.
-struct EmulatedIndex {
-  unsigned x = 0, y = 0, z = 0;
-};
-thread_local EmulatedIndex threadIdx, blockIdx;
-pthread_barrier_t g_block_barrier;
-void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
+// Host stand-ins for the CUDA built-ins the kernels use (and nothing else; see the NOTEs
+// in the .cuh files): threadIdx, blockIdx, __syncthreads, the per-warp barriers and
+// run_grid from tests/ops/emulated_cuda.h. Blocks run one after another, so function
+// statics serve as shared memory.
+#include "tests/ops/emulated_cuda.h"
 
 // CUDA's float4: 16-byte aligned, so the kernel's float4 loads and stores of shared
 // memory and of operands it checked for 16-byte alignment are plain host accesses.
@@ -38,34 +40,106 @@ struct alignas(16) float4 {
 };
 
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #include "kernels/gdr_chunk_state_kernel.cuh"
+
+// ---------------------------------------------------------------------------
+// Host stand-ins for the tensor-core kernel's device helpers
+
+// cvt.rna.tf32.f32: round to nearest, ties away from zero, on the 13 low mantissa bits
+// (adding half an ulp to the sign-magnitude pattern rounds the magnitude half-up); the
+// low 13 bits of the result are zero.
+uint32_t tf32_round(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return bits & 0xffffe000u;  // inf / nan: as is
+  return (bits + 0x1000u) & 0xffffe000u;
+}
+
+float tf32_as_float(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// The warp-collective mma.sync m16n8k8 row.col f32.tf32.tf32.f32: every lane publishes its
+// fragments, a warp barrier, every lane computes its four D elements from the whole
+// 16 x 8 x 8 product (FP64 sum of the exact TF32 products, rounded once to FP32), a warp
+// barrier before the scratch is reused. As the hardware, it reads only the TF32 bits of
+// the operands (the low 13 bits are ignored), so a missing tf32_round shows up.
+struct MmaFragments {
+  uint32_t a[4], b[2];
+};
+MmaFragments g_mma_scratch[kMaxWarps][32];
+int64_t g_mma_count = 0;  // by lane 0 of warp 0 (one writer)
+
+void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  MmaFragments& mine = g_mma_scratch[warp][lane];
+  for (int r = 0; r < 4; ++r) mine.a[r] = a[r];
+  for (int r = 0; r < 2; ++r) mine.b[r] = b[r];
+  pthread_barrier_wait(&g_warp_barrier[warp]);
+  const MmaFragments* frag = g_mma_scratch[warp];
+  auto value = [](uint32_t bits) { return double{tf32_as_float(bits & 0xffffe000u)}; };
+  // A[r][k]: lane 4 (r % 8) + k % 4, register r / 8 + 2 (k / 4); B[k][n]: lane 4 n + k % 4,
+  // register k / 4.
+  auto A = [&](int r, int k) { return value(frag[4 * (r % 8) + k % 4].a[r / 8 + 2 * (k / 4)]); };
+  auto B = [&](int k, int n) { return value(frag[4 * n + k % 4].b[k / 4]); };
+  const int g = static_cast<int>(lane) / 4, t = static_cast<int>(lane) % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    double acc = d[e];
+    for (int k = 0; k < 8; ++k) acc += A(row, k) * B(k, col);
+    d[e] = static_cast<float>(acc);
+  }
+  if (warp == 0 && lane == 0) ++g_mma_count;
+  pthread_barrier_wait(&g_warp_barrier[warp]);
+}
+
+// cp.async as plain synchronous copies (the waits are then no-ops).
+void cp_async_16(float* dst, const float* src) { std::memcpy(dst, src, 16); }
+void cp_async_4(float* dst, const float* src) { *dst = *src; }
+void cp_async_wait_all() {}
+
+// Dynamic shared memory: one block at a time.
+constexpr int kTcSharedFloats = 48 * 1024;
+alignas(16) float g_tc_shared[kTcSharedFloats];
+float* chunk_state_tc_shared() { return g_tc_shared; }
+
+#define GDR_CHUNK_STATE_TC_HOST_HELPERS
+#include "kernels/gdr_chunk_state_tc_kernel.cuh"
+#undef GDR_CHUNK_STATE_TC_HOST_HELPERS
 #undef __global__
+#undef __device__
+#undef __forceinline__
 #undef __shared__
 #undef __launch_bounds__
 #undef __align__
 
+static_assert(gdr::kernels::chunk_state_tc_detail::TcLayout<256>::kFloats <= kTcSharedFloats,
+              "the emulated dynamic shared memory must hold the largest layout");
+
 namespace gdr::kernels {
 namespace {
 
+// As launch_chunk_state_scan: the tensor-core kernel where
+// chunk_state_scan_uses_tensor_cores says so, else the SIMT kernel.
 template <int DK>
 void run_emulated(const ChunkStateScanArgs& args) {
   const int64_t blocks = args.batch_heads * (args.dv / kChunkStateTileDv);
-  pthread_barrier_init(&g_block_barrier, nullptr, kChunkStateThreads);
-  for (int64_t b = 0; b < blocks; ++b) {
-    std::vector<std::thread> threads;
-    for (int t = 0; t < kChunkStateThreads; ++t) {
-      threads.emplace_back([&args, b, t] {
-        blockIdx.x = static_cast<unsigned>(b);
-        threadIdx.x = static_cast<unsigned>(t);
-        chunk_state_detail::chunk_state_scan_kernel<DK>(args);
-      });
-    }
-    for (std::thread& thread : threads) thread.join();
+  if (chunk_state_scan_uses_tensor_cores(args.dk, args.dv, args.allow_tensor_cores)) {
+    test_support::run_grid(blocks, kChunkStateThreads, [&args](int64_t) {
+      chunk_state_tc_detail::chunk_state_scan_tc_kernel<DK>(args);
+    });
+  } else {
+    test_support::run_grid(blocks, kChunkStateThreads, [&args](int64_t) {
+      chunk_state_detail::chunk_state_scan_kernel<DK>(args);
+    });
   }
-  pthread_barrier_destroy(&g_block_barrier);
 }
 
 void run_emulated(const ChunkStateScanArgs& args) {
@@ -81,6 +155,7 @@ struct ScanCase {
   int dk, dv;
   bool reverse;
   bool quads = false;  // pitches and offsets that let the kernel take its float4 slab loads
+  bool tc = false;     // the tensor-core kernel (else the SIMT kernel)
 };
 
 class ChunkStateKernelEmulation : public ::testing::TestWithParam<ScanCase> {};
@@ -138,7 +213,14 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
     args.dot_with = dot_with.data();
     args.dot_out = dot_out.data();
   }
+  args.allow_tensor_cores = c.tc;
+  g_mma_count = 0;
   run_emulated(args);
+  if (c.tc) {
+    EXPECT_GT(g_mma_count, 0) << "the tensor-core kernel did not run";
+  } else {
+    EXPECT_EQ(g_mma_count, 0) << "the SIMT kernel was asked for";
+  }
 
   double max_err = 0.0;
   auto check = [&](double expected, float got) {
@@ -188,20 +270,45 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
     }
     for (int e = 0; e < dk * dv; ++e) check(X[e], carry_final[bh * dk * dv + e]);
   }
+  std::printf("max |error| %.3g\n", max_err);
   // FP32 sums of at most 256 terms of O(1) values against FP64.
   EXPECT_LT(max_err, 1e-4);
+  if (c.tc) {
+    // 3xTF32 (Note in kernels/gdr_chunk_state_tc_kernel.cuh): each product a b is
+    // a_big b_big + a_big b_small + a_small b_big, off by the dropped a_small b_small and
+    // the rounding of small, both <= 2^-22 |a b| (big and small each keep 11 significant
+    // bits, RNA), plus FP32 accumulation: per sum of K terms
+    // ~ (2^-21 + K 2^-24) sum |a b|, worst case ~1e-5 of the sums' magnitudes here (X,
+    // R are O(1)-O(10)), typically far less (measured 3e-7 .. 9e-7 under emulation). Plain
+    // TF32 (both small terms dropped) errs by ~2^-11 of the terms: measured 8e-4 .. 9e-4
+    // on the dk = 128 cases, so the bound below tells them apart.
+    EXPECT_LT(max_err, 1e-5) << "not FP32-level: is a 3xTF32 term missing?";
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, ChunkStateKernelEmulation,
-    ::testing::Values(ScanCase{64, 16, false}, ScanCase{64, 48, true}, ScanCase{128, 16, true},
-                      ScanCase{128, 32, false}, ScanCase{256, 16, false}, ScanCase{256, 32, true},
-                      ScanCase{64, 16, true, true}, ScanCase{128, 32, false, true},
-                      ScanCase{256, 16, true, true}),
-    [](const ::testing::TestParamInfo<ScanCase>& info) {
-      return "dk" + std::to_string(info.param.dk) + "_dv" + std::to_string(info.param.dv) +
-             (info.param.reverse ? "_reverse" : "_forward") + (info.param.quads ? "_quads" : "");
-    });
+std::vector<ScanCase> scan_cases() {
+  const std::vector<ScanCase> shapes = {
+      {64, 16, false},       {64, 48, true},        {128, 16, true},       {128, 32, false},
+      {256, 16, false},      {256, 32, true},       {64, 16, true, true},  {128, 32, false, true},
+      {256, 16, true, true}, {128, 48, true, true}, {128, 16, false, true}};
+  std::vector<ScanCase> cases;
+  for (const bool tc : {false, true}) {
+    for (ScanCase c : shapes) {
+      c.tc = tc;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ChunkStateKernelEmulation, ::testing::ValuesIn(scan_cases()),
+                         [](const ::testing::TestParamInfo<ScanCase>& info) {
+                           return std::string(info.param.tc ? "tc_" : "simt_") + "dk" +
+                                  std::to_string(info.param.dk) + "_dv" +
+                                  std::to_string(info.param.dv) +
+                                  (info.param.reverse ? "_reverse" : "_forward") +
+                                  (info.param.quads ? "_quads" : "");
+                         });
 
 // ---------------------------------------------------------------------------
 // The CUDA op's code with the emulated kernel
@@ -217,72 +324,77 @@ double relative_error(const at::Tensor& x, const at::Tensor& ref) {
          (r.abs().max().item<double>() + 1e-30);
 }
 
-TEST(ChunkStateScanImplementation, WithTheEmulatedKernelMatchesTheReferenceOp) {
+TEST(ChunkStateScanImplementation, WithTheEmulatedKernelsMatchesTheReferenceOp) {
   const char* names[] = {"o",   "final_state", "states", "v_new",   "du",       "dw",
                          "dqd", "dp",          "dkend",  "dg_last", "d_initial"};
-  for (const OpCase& c :
-       {OpCase{1, 2, 3, 64, 32, true, true}, OpCase{2, 1, 2, 64, 16, false, false}}) {
-    at::manual_seed(c.N);
-    const int64_t C = kChunkStateChunk;
-    const auto f64 = at::TensorOptions().dtype(at::kDouble);
-    const double row = 0.5 / std::sqrt(static_cast<double>(c.dk));
-    const at::Tensor u = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
-    const at::Tensor w = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
-    const at::Tensor qd = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
-    const at::Tensor p = at::randn({c.B, c.H, c.N, C, C}, f64).tril() * 0.1;
-    const at::Tensor kend = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
-    const at::Tensor g_last = -3.0 * at::rand({c.B, c.H, c.N}, f64);
-    std::optional<at::Tensor> s0, grad_s;
-    if (c.initial_state) s0 = at::randn({c.B, c.H, c.dk, c.dv}, f64);
-    if (c.grad_final_state) grad_s = at::randn({c.B, c.H, c.dk, c.dv}, f64);
-    const at::Tensor grad_o = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
+  for (const bool tc : {false, true}) {
+    for (const OpCase& c :
+         {OpCase{1, 2, 3, 64, 32, true, true}, OpCase{2, 1, 2, 64, 16, false, false}}) {
+      at::manual_seed(c.N);
+      const int64_t C = kChunkStateChunk;
+      const auto f64 = at::TensorOptions().dtype(at::kDouble);
+      const double row = 0.5 / std::sqrt(static_cast<double>(c.dk));
+      const at::Tensor u = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
+      const at::Tensor w = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+      const at::Tensor qd = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+      const at::Tensor p = at::randn({c.B, c.H, c.N, C, C}, f64).tril() * 0.1;
+      const at::Tensor kend = at::randn({c.B, c.H, c.N, C, c.dk}, f64) * row;
+      const at::Tensor g_last = -3.0 * at::rand({c.B, c.H, c.N}, f64);
+      std::optional<at::Tensor> s0, grad_s;
+      if (c.initial_state) s0 = at::randn({c.B, c.H, c.dk, c.dv}, f64);
+      if (c.grad_final_state) grad_s = at::randn({c.B, c.H, c.dk, c.dv}, f64);
+      const at::Tensor grad_o = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
 
-    const auto [o, s, states, v_new] = chunk_state_pass(u, w, qd, p, kend, g_last, s0);
-    const auto ref_b =
-        chunk_state_pass_backward(grad_o, grad_s, w, qd, p, kend, g_last, states, v_new);
-    const std::vector<at::Tensor> ref = {o,
-                                         s,
-                                         states,
-                                         v_new,
-                                         std::get<0>(ref_b),
-                                         std::get<1>(ref_b),
-                                         std::get<2>(ref_b),
-                                         std::get<3>(ref_b),
-                                         std::get<4>(ref_b),
-                                         std::get<5>(ref_b),
-                                         std::get<6>(ref_b)};
+      const auto [o, s, states, v_new] = chunk_state_pass(u, w, qd, p, kend, g_last, s0);
+      const auto ref_b =
+          chunk_state_pass_backward(grad_o, grad_s, w, qd, p, kend, g_last, states, v_new);
+      const std::vector<at::Tensor> ref = {o,
+                                           s,
+                                           states,
+                                           v_new,
+                                           std::get<0>(ref_b),
+                                           std::get<1>(ref_b),
+                                           std::get<2>(ref_b),
+                                           std::get<3>(ref_b),
+                                           std::get<4>(ref_b),
+                                           std::get<5>(ref_b),
+                                           std::get<6>(ref_b)};
 
-    // FP32 with the layouts the core hands over: u and w as slices of one [U | W] tensor,
-    // the upstream gradient transposed.
-    auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
-    const at::Tensor uw = f32(at::cat({u, w}, -1));
-    const at::Tensor u32 = uw.narrow(-1, 0, c.dv), w32 = uw.narrow(-1, c.dv, c.dk);
-    std::optional<at::Tensor> s0_32, grad_s32;
-    if (s0) s0_32 = f32(*s0);
-    if (grad_s) grad_s32 = f32(*grad_s);
-    const at::Tensor grad_o32 = f32(grad_o).transpose(0, 1).contiguous().transpose(0, 1);
-    const chunk_state_internal::ScanLauncher scan = [](const ChunkStateScanArgs& args) {
-      run_emulated(args);
-    };
-    const auto [o2, s2, states2, v_new2] = chunk_state_internal::forward_via_scan(
-        u32, w32, f32(qd), f32(p), f32(kend), f32(g_last), s0_32, scan);
-    const auto got_b = chunk_state_internal::backward_via_scan(
-        grad_o32, grad_s32, w32, f32(qd), f32(p), f32(kend), f32(g_last), states2, v_new2, scan);
-    const std::vector<at::Tensor> got = {o2,
-                                         s2,
-                                         states2,
-                                         v_new2,
-                                         std::get<0>(got_b),
-                                         std::get<1>(got_b),
-                                         std::get<2>(got_b),
-                                         std::get<3>(got_b),
-                                         std::get<4>(got_b),
-                                         std::get<5>(got_b),
-                                         std::get<6>(got_b)};
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_EQ(got[i].sizes(), ref[i].sizes()) << names[i];
-      EXPECT_EQ(got[i].scalar_type(), at::kFloat) << names[i];
-      EXPECT_LE(relative_error(got[i], ref[i]), 1e-4) << "N=" << c.N << " " << names[i];
+      // FP32 with the layouts the core hands over: u and w as slices of one [U | W] tensor,
+      // the upstream gradient transposed.
+      auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+      const at::Tensor uw = f32(at::cat({u, w}, -1));
+      const at::Tensor u32 = uw.narrow(-1, 0, c.dv), w32 = uw.narrow(-1, c.dv, c.dk);
+      std::optional<at::Tensor> s0_32, grad_s32;
+      if (s0) s0_32 = f32(*s0);
+      if (grad_s) grad_s32 = f32(*grad_s);
+      const at::Tensor grad_o32 = f32(grad_o).transpose(0, 1).contiguous().transpose(0, 1);
+      const chunk_state_internal::ScanLauncher scan = [tc](const ChunkStateScanArgs& args) {
+        ChunkStateScanArgs a = args;
+        a.allow_tensor_cores = tc;
+        run_emulated(a);
+      };
+      const auto [o2, s2, states2, v_new2] = chunk_state_internal::forward_via_scan(
+          u32, w32, f32(qd), f32(p), f32(kend), f32(g_last), s0_32, scan);
+      const auto got_b = chunk_state_internal::backward_via_scan(
+          grad_o32, grad_s32, w32, f32(qd), f32(p), f32(kend), f32(g_last), states2, v_new2, scan);
+      const std::vector<at::Tensor> got = {o2,
+                                           s2,
+                                           states2,
+                                           v_new2,
+                                           std::get<0>(got_b),
+                                           std::get<1>(got_b),
+                                           std::get<2>(got_b),
+                                           std::get<3>(got_b),
+                                           std::get<4>(got_b),
+                                           std::get<5>(got_b),
+                                           std::get<6>(got_b)};
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].sizes(), ref[i].sizes()) << names[i];
+        EXPECT_EQ(got[i].scalar_type(), at::kFloat) << names[i];
+        EXPECT_LE(relative_error(got[i], ref[i]), 1e-4)
+            << (tc ? "tensor cores" : "SIMT") << " N=" << c.N << " " << names[i];
+      }
     }
   }
 }
