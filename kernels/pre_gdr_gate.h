@@ -129,10 +129,11 @@ constexpr int kSinglePassTailUnroll = 8;
 // The automatic choice between the ordered variants, a pure function of tile and shape
 // (both give the same bits, so this is about speed alone): single pass when the tile
 // allows it, one row of programs covers every head, 2 * heads fits one 32-slot group and
-// the programs' partial rows fit one round of tail loads (32 x kSinglePassTailUnroll):
-// the small, launch-bound shapes such as the 0.8B one. Two pass otherwise: on the H200
-// the single pass measured slower as soon as its tail took two rounds or its grid
-// (90 registers per thread) took a second wave.
+// there are at most 32 programs (one partial row per tail row, so the tail is one add per
+// slot): tiny, launch-bound shapes. Two pass otherwise. On the H200 (session 6, graph
+// time) the single pass took 7.6 us at the 0.8B shape (256 programs) against the two
+// pass's 4.8 (atomic 5.0-5.8): its one-block tail costs more than the second launch, so the
+// 0.8B shape is no longer single pass (it was with the older element pass, at 5.7 us).
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Whether launch_pre_gdr_gate_forward takes the vectorised kernel for these arguments:

@@ -56,7 +56,7 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch) {
   return tile.threads >= kSinglePassMinThreads && launch.programs_h == 1 &&
          launch.scratch_floats / launch.programs_t <= kReduceSlotsPerBlock &&
-         launch.programs_t <= int64_t{kReduceRows} * kSinglePassTailUnroll;
+         launch.programs_t <= int64_t{kReduceRows};
 }
 
 // The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table

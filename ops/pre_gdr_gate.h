@@ -82,7 +82,7 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
     const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer);
 
 // Which ordered (deterministic) reduction the CUDA backward uses. kAuto = single pass (one
-// launch; the last program sums) where kernels::gate_single_pass_preferred says so (small
+// launch; the last program sums) where kernels::gate_single_pass_preferred says so (tiny
 // problems), two pass otherwise; kSinglePass needs a tile of at least
 // kernels::kSinglePassMinThreads threads and a free ticket slot, and fails otherwise. Also
 // settable with GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both variants sum in
