@@ -176,7 +176,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
         "tile %s tokens=%lld heads=%lld %s graph_us atomic=%.2f ordered=%.2f static_cost=%.3f\n",
         kernels::to_string(tile).c_str(), static_cast<long long>(shape.tokens),
         static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
-        kernels::gate_tile_static_cost(tile, gshape, 2));
+        kernels::gate_tile_static_cost(tile, gshape, static_cast<int>(c10::elementSize(dtype))));
   }
   set_pre_gdr_gate_tile_override(std::nullopt);
   std::fflush(stdout);
@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
           "usage: pre_gdr_gate_bench [--tiles] [--host] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
-          "  --tiles   also time every candidate tile of the backward in both modes (BF16)\n"
+          "  --tiles   also time every candidate tile of the backward in both modes (each dtype)\n"
           "  --host    also print the host time per call of the forward and each backward\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
@@ -256,7 +256,9 @@ int main(int argc, char** argv) {
   }
   if (print_tiles) {
     std::printf("\n");
-    for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, at::kBFloat16, true, false);
+    for (const at::ScalarType dtype : dtypes) {
+      for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, true, false);
+    }
   }
   return 0;
 }

@@ -62,7 +62,9 @@ bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& 
 // The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table
 // in docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
 //   (1) 256 threads, and 16 head lanes per program (one 32-byte BF16 sector per token
-//       row), or 32 when Hv >= 64 (fewer, wider rows won there);
+//       row), or, when Hv >= 64, 32 for 16-bit activations and 64 for FP32 (fewer, wider
+//       rows won there: at 65536 x 64 FP32 the sweep measured 128x64x256 at 30.2 us ordered
+//       against 31.3 for 256x32x256, docs/benchmarks.md);
 //   (2) about 640 programs for 16-bit activations, 448 for FP32 (twice the bytes per
 //       program): enough to fill a 132-SM part a few times over without a long tail of
 //       partial rows for the ordered pass (constants, not a device query, so the choice
@@ -71,7 +73,8 @@ bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& 
 double gate_tile_static_cost(const GateTile& tile, const GateShape& shape,
                              int input_element_bytes) {
   const double kTargetPrograms = input_element_bytes >= 4 ? 448.0 : 640.0;
-  const int preferred_block_h = shape.heads >= 64 ? 32 : 16;
+  const int wide_block_h = input_element_bytes >= 4 ? 64 : 32;
+  const int preferred_block_h = shape.heads >= 64 ? wide_block_h : 16;
   const GateBackwardLaunch launch = derive_gate_backward_launch(tile, shape);
   double cost = 0.0;
   if (tile.block_h != preferred_block_h) cost += 1000.0;

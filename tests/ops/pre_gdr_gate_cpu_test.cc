@@ -203,6 +203,19 @@ TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
       kernels::gate_single_pass_preferred(wide, kernels::derive_gate_backward_launch(wide, small)));
 }
 
+TEST(GateSelection, TheStaticRulePicksTheSweptBestOrderedTilesAtTheLargeShape) {
+  // bench/pre_gdr_gate_bench --tiles on the H200 (docs/benchmarks.md): at 65536 x 64 the
+  // fastest ordered tiles were 256x32x256 class for BF16 and 128x64x256 for FP32.
+  const kernels::GateShape large{1, 65536, 64};
+  EXPECT_EQ(select_pre_gdr_gate_tile(large, "bf16", 0, /*deterministic=*/true, nullptr, 2).config,
+            (kernels::GateTile{256, 32, 256}));
+  EXPECT_EQ(select_pre_gdr_gate_tile(large, "f32", 0, /*deterministic=*/true, nullptr, 4).config,
+            (kernels::GateTile{128, 64, 256}));
+  const kernels::GateShape small{1, 8192, 16};
+  EXPECT_EQ(select_pre_gdr_gate_tile(small, "f32", 0, /*deterministic=*/true, nullptr, 4).config,
+            (kernels::GateTile{32, 16, 256}));
+}
+
 TEST(GateSelection, WithoutTimingACacheMissTakesTheStaticRuleAndDoesNotCacheIt) {
   // What the CUDA op does while a stream captures a CUDA graph.
   clear_autotune_cache();
