@@ -207,7 +207,7 @@ struct Trainer::Impl {
 
   // Captures one microbatch (forward, loss, backward of loss / divisor) on `ids`'s shape
   // into `graph`; the parameters' .grad are left empty.
-  // With `marks`, a mark follows each parameter's gradient (Note [Graph marks]).
+  // With `marks`, a mark follows each range of parameters' gradients (Note [Graph marks]).
   absl::Status capture_microbatch(const at::Tensor& ids, int64_t divisor, bool marks) {
     auto captured = std::make_unique<MicrobatchGraph>();
     captured->ids = at::empty_like(ids);
@@ -443,10 +443,10 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   // microbatch's backward hands each parameter's final local sum to the cross-rank
   // reduction as soon as autograd produces its gradient.
   // Graphed (Note [Microbatch graphs]): after the last replay is queued, a side stream
-  // waits for each parameter's mark (Note [Graph marks]), last parameter first as backward
-  // produces them, and adds that parameter's final local sum while the replay's backward
-  // goes on with earlier layers; with two ranks each 256 MiB range of the sums then goes
-  // to RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
+  // waits for each 256 MiB range's mark (Note [Graph marks]), last parameters first as
+  // backward produces them, and adds the range's final local sums while the replay's
+  // backward goes on with earlier layers; with two ranks each range then goes to
+  // RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
   // ranks the reduction runs after the loop. (Handing the gradients over from an eager
   // last backward cost more host and GPU time than the overlap hid: docs/benchmarks.md,
   // issue 7.) Eager runs with several ranks hand over from the last backward's hooks.
