@@ -31,13 +31,20 @@ void check_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
-// GDR_CHUNK_SCAN_TC=0 selects the FP32 SIMT scan kernel; unset or anything else the
-// tensor-core (3xTF32) kernel where it applies (kernels/gdr_chunk_state.h). Read on every
-// call, so a process can A/B the two (setenv between calls; a captured CUDA graph keeps
-// the kernel it captured).
+// GDR_CHUNK_SCAN_TC=0 selects the FP32 SIMT scan kernel; unset, empty or 1 the
+// tensor-core (3xTF32) kernel where it applies (kernels/gdr_chunk_state.h); any other
+// value is an error naming the variable (a typo must not silently pick a kernel). Read on
+// every call, so a process can A/B the two (setenv between calls; a captured CUDA graph
+// keeps the kernel it captured).
 bool scan_tensor_cores_allowed() {
   const char* value = std::getenv("GDR_CHUNK_SCAN_TC");
-  return value == nullptr || std::string_view(value) != "0";
+  if (value == nullptr || value[0] == '\0') return true;
+  const std::string_view v(value);
+  TORCH_CHECK(v == "0" || v == "1",
+              "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
+              "default) but got '",
+              v, "'");
+  return v == "1";
 }
 
 // The scan on the current stream of the inputs' device, launch errors raised here.

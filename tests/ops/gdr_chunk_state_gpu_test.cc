@@ -236,6 +236,26 @@ TEST(ChunkStatePassGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
   }
 }
 
+TEST(ChunkStatePassGpu, AnUnknownScanKernelSettingIsRefusedNamingTheVariable) {
+  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 1, 2, 128, 128, false, false}, 3));
+  const char* previous = std::getenv("GDR_CHUNK_SCAN_TC");
+  const std::string saved = previous != nullptr ? previous : "";
+  setenv("GDR_CHUNK_SCAN_TC", "yes", 1);
+  try {
+    chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt);
+    ADD_FAILURE() << "GDR_CHUNK_SCAN_TC=yes must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
+              "default) but got 'yes'");
+  }
+  if (previous != nullptr) {
+    setenv("GDR_CHUNK_SCAN_TC", saved.c_str(), 1);
+  } else {
+    unsetenv("GDR_CHUNK_SCAN_TC");
+  }
+}
+
 TEST(ChunkStatePassGpu, SideStreamGivesTheDefaultStreamBits) {
   const OpInputs x = to_cuda_fp32(make_op_inputs({1, 4, 6, 128, 128, true, true}, 5));
   const Results on_default = run_op(x);
