@@ -10,9 +10,12 @@
 #include <string>
 
 #include "gdr/cuda_graph.h"
+#include "tests/ops/error_of.h"
 
 namespace gdr {
 namespace {
+
+using test_support::error_of;
 
 CudaGraphCapture capture_or_die() {
   CudaGraphCapture capture = cuda_graph_capture();
@@ -64,25 +67,15 @@ TEST(CudaGraphMarks, MarkOutsideACaptureIsRefused) {
   ASSERT_NE(capture, nullptr);
   at::Tensor x = at::zeros({16}, at::TensorOptions().device(at::kCUDA));
   std::unique_ptr<CapturedWork> work = capture([&](CapturedWork&) { x.add_(1); });
-  try {
-    work->mark();
-    FAIL() << "mark() outside the capture body returned";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("CapturedWork::mark: expected to be called inside the capture body"),
-              std::string::npos)
-        << e.what_without_backtrace();
-  }
-  try {
-    work->on_side_stream_after(0, [] {});
-    FAIL() << "waiting for a mark the capture never set returned";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("CapturedWork::on_side_stream_after: mark 0 does not exist; the "
-                        "capture set 0 marks"),
-              std::string::npos)
-        << e.what_without_backtrace();
-  }
+  const std::string outside = error_of([&] { work->mark(); });
+  EXPECT_NE(outside.find("CapturedWork::mark: expected to be called inside the capture body"),
+            std::string::npos)
+      << outside;
+  const std::string missing = error_of([&] { work->on_side_stream_after(0, [] {}); });
+  EXPECT_NE(missing.find("CapturedWork::on_side_stream_after: mark 0 does not exist; the "
+                         "capture set 0 marks"),
+            std::string::npos)
+      << missing;
 }
 
 TEST(CudaGraphMarks, ReplayBeforeJoiningTheSideStreamIsRefused) {
@@ -96,15 +89,9 @@ TEST(CudaGraphMarks, ReplayBeforeJoiningTheSideStreamIsRefused) {
   });
   work->replay();
   work->on_side_stream_after(after_add, [] {});
-  try {
-    work->replay();
-    FAIL() << "a replay with the side stream not joined returned";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("CapturedWork::replay: join_side_stream() first"),
-              std::string::npos)
-        << e.what_without_backtrace();
-  }
+  const std::string unjoined = error_of([&] { work->replay(); });
+  EXPECT_NE(unjoined.find("CapturedWork::replay: join_side_stream() first"), std::string::npos)
+      << unjoined;
   work->join_side_stream();
   work->replay();
   work->join_side_stream();

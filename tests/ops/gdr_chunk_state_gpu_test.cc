@@ -22,6 +22,7 @@
 #include "ops/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
 #include "tests/ops/bitwise_equal.h"
+#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -30,16 +31,18 @@ namespace {
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
 using test_support::bitwise_equal;
+using test_support::error_of;
 
 // Sets GDR_CHUNK_SCAN_TC for its lifetime (the op layer reads it at every call) and
-// restores the previous value.
+// restores the previous value; `value` is for the test of a value the op refuses.
 class ScopedScanKernel {
  public:
-  explicit ScopedScanKernel(bool tensor_cores) {
+  explicit ScopedScanKernel(bool tensor_cores) : ScopedScanKernel(tensor_cores ? "1" : "0") {}
+  explicit ScopedScanKernel(const char* value) {
     const char* previous = std::getenv(kName);
     had_previous_ = previous != nullptr;
     if (had_previous_) previous_ = previous;
-    setenv(kName, tensor_cores ? "1" : "0", 1);
+    setenv(kName, value, 1);
   }
   ~ScopedScanKernel() {
     if (had_previous_) {
@@ -238,22 +241,11 @@ TEST(ChunkStatePassGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
 
 TEST(ChunkStatePassGpu, AnUnknownScanKernelSettingIsRefusedNamingTheVariable) {
   const OpInputs x = to_cuda_fp32(make_op_inputs({1, 1, 2, 128, 128, false, false}, 3));
-  const char* previous = std::getenv("GDR_CHUNK_SCAN_TC");
-  const std::string saved = previous != nullptr ? previous : "";
-  setenv("GDR_CHUNK_SCAN_TC", "yes", 1);
-  try {
-    chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt);
-    ADD_FAILURE() << "GDR_CHUNK_SCAN_TC=yes must be refused";
-  } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
-              "default) but got 'yes'");
-  }
-  if (previous != nullptr) {
-    setenv("GDR_CHUNK_SCAN_TC", saved.c_str(), 1);
-  } else {
-    unsetenv("GDR_CHUNK_SCAN_TC");
-  }
+  ScopedScanKernel unknown("yes");
+  EXPECT_EQ(
+      error_of([&] { chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt); }),
+      "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
+      "default) but got 'yes'");
 }
 
 TEST(ChunkStatePassGpu, SideStreamGivesTheDefaultStreamBits) {
