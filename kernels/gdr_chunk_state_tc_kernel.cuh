@@ -36,16 +36,24 @@
 //                 lives in those warps' registers in the mma accumulator layout (FP32,
 //                 never rounded to TF32), and is copied to shared memory x_s once per
 //                 chunk for the next R product, carries_out and the dGlast partials.
-// Shared memory (dynamic, FP32): left_s [64][DK + 4] and right_s [64][DK + 8] (a whole
-// chunk of each operand), x_s [DK][24], r_s [64][24]. The pitches make every fragment load
-// conflict-free: A from left_s reads rows g, columns t (bank 4 g + t), A from right_s
-// (right^T) reads rows t, columns g (bank 8 t + g), B from x_s / r_s rows t, columns g
-// (bank 24 t + g mod 32), with g = lane / 4 and t = lane % 4.
-// Per chunk: phase A (R) reads left_s and x_s while the chunk's `right` streams from
-// global memory into right_s (cp.async), then stores R to r_s; wait + barrier; phase B
-// (X') reads right_s and r_s while the next chunk's `left` streams into left_s, then
-// stores the new carry to x_s; wait + barrier. So two barriers per chunk, and every
-// global operand load overlaps the other phase's mma work without holding registers.
+// Shared memory (dynamic): kStages operand stages, each left_s [64][DK + 4] and right_s
+// [64][DK + 8] (a whole chunk of each operand; 2 stages for dk 64 and 128, 1 for dk 256,
+// whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32), and x_p
+// [DK][20] and r_p [64][20], the same values split once into (big, small) TF32 pairs by
+// the warp that produces them (the B operands of both products: 4 of the 8 warps read
+// each x element, all 8 each R element, so splitting at the reader converted them 4x and
+// 8x over). The pitches make every fragment load conflict-free: A from left_s reads rows
+// g, columns t (bank 4 g + t), A from right_s (right^T) reads rows t, columns g
+// (bank 8 t + g), B pairs (64-bit, per half warp) from x_p / r_p rows t, columns g
+// (banks 8 t + 2 g + {0, 1} mod 32), with g = lane / 4 and t = lane % 4.
+// Per chunk with two stages: the next chunk's `left` and `right` stream from global
+// memory into the other stage (cp.async) during the whole chunk; phase A (R) reads left_s
+// and x_p, stores R to r_s / r_p; barrier; phase B (X') reads right_s and r_p, stores the
+// new carry to x_s / x_p; wait + barrier. With one stage (dk 256): phase A overlaps the
+// chunk's `right` load, phase B the next `left` load, each phase ending in wait +
+// barrier. Two barriers per chunk either way, and no operand load holds registers. The
+// chunk's dot_with and extra elements (dk <= 128) are read from global memory before
+// phase A's mma loop, so their latency hides behind it.
 // Outputs: carries_out, rows_out, carry_final and the dGlast partials are written from
 // x_s / r_s with the SIMT kernel's element-to-thread maps (element e = tid + 256 u of the
 // [rows x 16] tile, row e / 16, column e % 16), so dot_out keeps its exact slot layout
@@ -117,26 +125,48 @@ constexpr int kC = kChunkStateChunk;
 constexpr int kTile = kChunkStateTileDv;
 constexpr int kThreads = kChunkStateThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPitchTile = kTile + 8;  // x_s and r_s rows (24: B loads conflict-free)
+constexpr int kPitchTile = kTile + 8;        // x_s and r_s rows, in floats
+constexpr int kPitchPair = kTile + 4;        // x_p and r_p rows, in pairs (B loads conflict-free)
+constexpr int kMaxSharedBytes = 227 * 1024;  // sm_90's opt-in limit per block
 static_assert(kC == 64 && kTile == 16 && kThreads == 256, "the warp split assumes these");
 
-// Shared memory layout, in floats (every offset a multiple of 4 floats).
+// One FP32 value's TF32 big / small parts (split_tf32 below), side by side so a B fragment
+// element is one 64-bit shared load.
+struct alignas(8) Tf32Pair {
+  uint32_t big, small;
+};
+
+// Shared memory layout, in floats (every offset a multiple of 4 floats). kStages operand
+// stages (left_s + right_s each): 2 where they fit, so the next chunk's operands stream in
+// during the whole current chunk; 1 (dk 256) otherwise.
 template <int DK>
 struct TcLayout {
   static constexpr int kPitchLeft = DK + 4;
   static constexpr int kPitchRight = DK + 8;
-  static constexpr int kLeft = 0;
+  static constexpr int kOperands = kC * (kPitchLeft + kPitchRight);  // one stage
+  static constexpr int kRest = (DK + kC) * (kPitchTile + 2 * kPitchPair);
+  static constexpr int kStages = (2 * kOperands + kRest) * 4 <= kMaxSharedBytes ? 2 : 1;
+  static constexpr int kLeft = 0;  // stage s at + s * kOperands
   static constexpr int kRight = kLeft + kC * kPitchLeft;
-  static constexpr int kX = kRight + kC * kPitchRight;
+  static constexpr int kX = kStages * kOperands;
   static constexpr int kR = kX + DK * kPitchTile;
-  static constexpr int kFloats = kR + kC * kPitchTile;
+  static constexpr int kXPairs = kR + kC * kPitchTile;
+  static constexpr int kRPairs = kXPairs + DK * kPitchPair * 2;
+  static constexpr int kFloats = kRPairs + kC * kPitchPair * 2;
   static constexpr int kBytes = kFloats * 4;
+  static_assert(kFloats - kX == kRest && kBytes <= kMaxSharedBytes, "layout");
 };
 
 // One operand's big / small TF32 parts.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
   big = tf32_round(x);
   small = tf32_round(x - tf32_as_float(big));
+}
+
+__device__ __forceinline__ Tf32Pair split_pair(float x) {
+  Tf32Pair pair;
+  split_tf32(x, pair.big, pair.small);
+  return pair;
 }
 
 // The three accumulators of one 16 x 8 output tile (Note above).
@@ -170,7 +200,8 @@ template <int DK>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_state_scan_tc_kernel(const ChunkStateScanArgs args) {
   using L = TcLayout<DK>;
-  constexpr int kPL = L::kPitchLeft, kPR = L::kPitchRight, kPX = kPitchTile;
+  constexpr int kPL = L::kPitchLeft, kPR = L::kPitchRight, kPX = kPitchTile, kPP = kPitchPair;
+  constexpr int kStages = L::kStages;
   // X' split: kNt n-tiles (8 columns) and kMt m-tiles (16 rows) per warp.
   constexpr int kNt = DK >= 128 ? 2 : 1;
   constexpr int kWarpsPerColumnGroup = kWarps * kNt / 2;  // warps sharing x_col0
@@ -179,14 +210,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQuadsPerRow = DK / 4;
   constexpr int kTileElems = DK * kTile / kThreads;  // carry elements per thread (x_s maps)
   constexpr int kRowElems = kC * kTile / kThreads;   // R elements per thread (r_s maps)
+  // Whether the chunk's dot_with and extra elements are loaded before phase A's mma loop
+  // (their global latency then hides behind it); dk 256 has no registers to spare.
+  constexpr bool kEarly = DK <= 128;
   static_assert(kMt >= 1 && kMt * kWarpsPerColumnGroup * 16 == DK, "X' rows split over warps");
   static_assert(kLoads % 4 == 0 && kTileElems >= 1 && kRowElems >= 1, "even splits");
 
   float* const smem = chunk_state_tc_shared();
-  float* const left_s = smem + L::kLeft;    // [c][k]
-  float* const right_s = smem + L::kRight;  // [c][i]
-  float* const x_s = smem + L::kX;          // [i][j]: the carry entering the chunk
-  float* const r_s = smem + L::kR;          // [c][j]: R
+  float* const x_s = smem + L::kX;  // [i][j]: the carry entering the chunk
+  float* const r_s = smem + L::kR;  // [c][j]: R
+  // x_s and r_s split into TF32 pairs once by their producers (the mma B operands).
+  Tf32Pair* const x_p = reinterpret_cast<Tf32Pair*>(smem + L::kXPairs);  // [i][j]
+  Tf32Pair* const r_p = reinterpret_cast<Tf32Pair*>(smem + L::kRPairs);  // [c][j]
+  // Operand stage s: left_s [c][k] and right_s [c][i].
+  auto left_of = [smem](int s) { return smem + L::kLeft + s * L::kOperands; };
+  auto right_of = [smem](int s) { return smem + L::kRight + s * L::kOperands; };
 
   const int tiles = args.dv / kTile;
   const int64_t bh = blockIdx.x / tiles;
@@ -215,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto chunk_of = [&](int64_t step) { return args.reverse ? args.chunks - 1 - step : step; };
 
   // A whole chunk of `left` or `right` ([64 x DK]) into shared memory with cp.async (the
-  // copies run while the warps do mma work; cp_async_wait_all + the phase's closing
-  // barrier publish them). float4 path: quad q = tid + u * kThreads is row q / (DK / 4),
-  // columns 4 (q % (DK / 4)) ..; scalar path: element e = tid + u * kThreads is row
-  // e / DK, column e % DK.
+  // copies run while the warps do mma work; cp_async_wait_all + a later barrier publish
+  // them). float4 path: quad q = tid + u * kThreads is row q / (DK / 4), columns
+  // 4 (q % (DK / 4)) ..; scalar path: element e = tid + u * kThreads is row e / DK,
+  // column e % DK.
   auto stage = [&](const ChunkOperand& op, bool quads, int64_t n, float* dst, int pitch) {
     const float* src = op.data + bh * op.stride_bh + n * op.stride_n;
     if (quads) {
@@ -236,8 +274,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // The carry, in the accumulator layout of this warp's X' tiles.
+  // The carry, in the accumulator layout of this warp's X' tiles; put_carry publishes one
+  // element to x_s and x_p.
   float carry[kMt][kNt][4];
+  auto put_carry = [&](int q, int p, int e, float x) {
+    x_s[x_row(q, e) * kPX + x_col(p, e)] = x;
+    x_p[x_row(q, e) * kPP + x_col(p, e)] = split_pair(x);
+  };
 #pragma unroll
   for (int q = 0; q < kMt; ++q) {
 #pragma unroll
@@ -247,20 +290,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         carry[q][p][e] =
             args.carry_in ? args.carry_in[bh * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
                           : 0.0f;
-        x_s[x_row(q, e) * kPX + x_col(p, e)] = carry[q][p][e];
+        put_carry(q, p, e, carry[q][p][e]);
       }
     }
   }
-  if (args.chunks > 0) stage(args.left, left_quads, chunk_of(0), left_s, kPL);
+  if (args.chunks > 0) {
+    stage(args.left, left_quads, chunk_of(0), left_of(0), kPL);
+    if (kStages == 2) stage(args.right, right_quads, chunk_of(0), right_of(0), kPR);
+  }
   cp_async_wait_all();
   __syncthreads();
 
   for (int64_t step = 0; step < args.chunks; ++step) {
     const int64_t n = chunk_of(step);
     const int64_t bhn = bh * args.chunks + n;
+    const int s = kStages == 2 ? static_cast<int>(step % 2) : 0;
+    const float* const left_s = left_of(s);
+    const float* const right_s = right_of(s);
 
-    // ---- Phase A: R = base + left_sign * left @ X (reads left_s, x_s; writes r_s).
-    stage(args.right, right_quads, n, right_s, kPR);  // lands during the mma work below
+    // ---- Phase A: R = base + left_sign * left @ X (reads left_s, x_p; writes r_s, r_p).
+    // Two stages: the next chunk's operands land in the other stage during this whole
+    // chunk (its last reads were in the previous chunk, before the closing barrier). One
+    // stage: this chunk's `right` lands during phase A, the next `left` during phase B.
+    if (kStages == 2) {
+      if (step + 1 < args.chunks) {
+        stage(args.left, left_quads, chunk_of(step + 1), left_of(s ^ 1), kPL);
+        stage(args.right, right_quads, chunk_of(step + 1), right_of(s ^ 1), kPR);
+      }
+    } else {
+      stage(args.right, right_quads, n, right_of(0), kPR);
+    }
     const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n;
     float base_v[4];
 #pragma unroll
@@ -269,64 +328,85 @@ __global__ void __launch_bounds__(kThreads, 1)
           base[(r_row0 + g + 8 * (e / 2)) * args.base.stride_row + col0 + r_col0 + 2 * t + e % 2];
     }
     const float decay = expf(args.g_last[bhn]);
-
-    // The carry entering chunk n to global memory (forward: S_n; backward: dS_{n+1}), and
-    // the dGlast partials, with the SIMT kernel's maps (u in order).
-    {
-      float dot = 0.0f;
+    // dot_with at the carries_out maps, and extra at this warp's X' tiles (read early when
+    // kEarly, else where they are used).
+    float dot_v[kTileElems];
+    auto load_dot = [&]() {
 #pragma unroll
       for (int u = 0; u < kTileElems; ++u) {
         const int e = tid + u * kThreads, i = e / kTile, j = e % kTile;
-        const float x = x_s[i * kPX + j];
-        const int64_t at = bhn * state_size + i * dv + col0 + j;
-        args.carries_out[at] = x;
-        if (args.dot_with) dot = fmaf(args.dot_with[at], x, dot);
+        dot_v[u] = args.dot_with ? args.dot_with[bhn * state_size + i * dv + col0 + j] : 0.0f;
       }
-      if (args.dot_with) args.dot_out[(bhn * tiles + tile) * kThreads + tid] = decay * dot;
+    };
+    float extra_v[kMt][kNt][4];
+    auto load_extra = [&]() {
+#pragma unroll
+      for (int q = 0; q < kMt; ++q) {
+#pragma unroll
+        for (int p = 0; p < kNt; ++p) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            extra_v[q][p][e] =
+                args.extra ? args.extra[bhn * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
+                           : 0.0f;
+          }
+        }
+      }
+    };
+    if (kEarly) {
+      load_dot();
+      load_extra();
     }
 
     {
       Acc3 acc;
       zero(acc);
       const float* a_rows = left_s + (r_row0 + g) * kPL + t;
-      const float* b_rows = x_s + t * kPX + r_col0 + g;
+      const Tf32Pair* b_rows = x_p + t * kPP + r_col0 + g;
 #pragma unroll 4
       for (int k0 = 0; k0 < DK; k0 += 8) {
-        uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
+        uint32_t a_big[4], a_small[4];
         split_tf32(a_rows[k0], a_big[0], a_small[0]);
         split_tf32(a_rows[8 * kPL + k0], a_big[1], a_small[1]);
         split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
         split_tf32(a_rows[8 * kPL + k0 + 4], a_big[3], a_small[3]);
-        split_tf32(b_rows[k0 * kPX], b_big[0], b_small[0]);
-        split_tf32(b_rows[(k0 + 4) * kPX], b_big[1], b_small[1]);
+        const Tf32Pair b0 = b_rows[k0 * kPP], b1 = b_rows[(k0 + 4) * kPP];
+        const uint32_t b_big[2] = {b0.big, b1.big}, b_small[2] = {b0.small, b1.small};
         mma_3xtf32(acc, a_big, a_small, b_big, b_small);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        r_s[(r_row0 + g + 8 * (e / 2)) * kPX + r_col0 + 2 * t + e % 2] =
-            base_v[e] + args.left_sign * total(acc, e);
+        const int at = r_row0 + g + 8 * (e / 2), col = r_col0 + 2 * t + e % 2;
+        const float r = base_v[e] + args.left_sign * total(acc, e);
+        r_s[at * kPX + col] = r;
+        r_p[at * kPP + col] = split_pair(r);
       }
     }
-    cp_async_wait_all();
+
+    // The carry entering chunk n to global memory (forward: S_n; backward: dS_{n+1}), and
+    // the dGlast partials, with the SIMT kernel's maps (u in order). x_s is not written
+    // before phase B's end.
+    if (!kEarly) load_dot();
+    {
+      float dot = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kTileElems; ++u) {
+        const int e = tid + u * kThreads, i = e / kTile, j = e % kTile;
+        const float x = x_s[i * kPX + j];
+        args.carries_out[bhn * state_size + i * dv + col0 + j] = x;
+        dot = fmaf(dot_v[u], x, dot);
+      }
+      if (args.dot_with) args.dot_out[(bhn * tiles + tile) * kThreads + tid] = decay * dot;
+    }
+    if (kStages == 1) cp_async_wait_all();
     __syncthreads();
 
     // ---- Phase B: X' = decay * X + extra + right_sign * right^T @ R (reads right_s,
-    // r_s; writes x_s).
-    if (step + 1 < args.chunks) stage(args.left, left_quads, chunk_of(step + 1), left_s, kPL);
-    // Read now, used after the mma loop.
-    float extra_v[kMt][kNt][4];
-#pragma unroll
-    for (int q = 0; q < kMt; ++q) {
-#pragma unroll
-      for (int p = 0; p < kNt; ++p) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          extra_v[q][p][e] =
-              args.extra ? args.extra[bhn * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
-                         : 0.0f;
-        }
-      }
+    // r_p; writes x_s, x_p).
+    if (kStages == 1 && step + 1 < args.chunks) {
+      stage(args.left, left_quads, chunk_of(step + 1), left_of(0), kPL);
     }
+    if (!kEarly) load_extra();  // read now, used after the mma loop
     {
       float* rows_out = args.rows_out + bhn * kC * dv;
 #pragma unroll
@@ -347,9 +427,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t b_big[kNt][2], b_small[kNt][2];
 #pragma unroll
         for (int p = 0; p < kNt; ++p) {
-          const float* b = r_s + (c0 + t) * kPX + x_col0 + 8 * p + g;
-          split_tf32(b[0], b_big[p][0], b_small[p][0]);
-          split_tf32(b[4 * kPX], b_big[p][1], b_small[p][1]);
+          const Tf32Pair* b = r_p + (c0 + t) * kPP + x_col0 + 8 * p + g;
+          const Tf32Pair b0 = b[0], b1 = b[4 * kPP];
+          b_big[p][0] = b0.big;
+          b_small[p][0] = b0.small;
+          b_big[p][1] = b1.big;
+          b_small[p][1] = b1.small;
         }
 #pragma unroll
         for (int q = 0; q < kMt; ++q) {
@@ -374,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int e = 0; e < 4; ++e) {
             carry[q][p][e] =
                 decay * carry[q][p][e] + extra_v[q][p][e] + args.right_sign * total(acc[q][p], e);
-            x_s[x_row(q, e) * kPX + x_col(p, e)] = carry[q][p][e];
+            put_carry(q, p, e, carry[q][p][e]);
           }
         }
       }
