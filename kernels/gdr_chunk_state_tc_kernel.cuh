@@ -29,8 +29,11 @@
 // Block: one (batch*head, 16-column dv tile), 256 threads = 8 warps, the same grid and
 // dv tiles as the SIMT kernel (128 blocks at B=1, H=16, dv=128). Work split, no
 // cross-warp reduction anywhere:
-//   R [64 x 16]:  warp w owns the 16 x 8 tile at rows 16 (w % 4), columns 8 (w / 4),
-//                 summing over all of dk (DK / 8 k-steps, 3 mma each);
+//   R [64 x 16]:  warp w owns rows 8 w .. 8 w + 7 (all 16 columns), computed as the
+//                 16 x 8 tile R^T = X^T @ left^T (A = X^T, B = left^T: each left element
+//                 is split by one warp), summing over all of dk (DK / 8 k-steps, 3 mma
+//                 each; a_small b_big is then X_small left_big, which only swaps the
+//                 two commuting terms of lo_a + lo_b);
 //   X' [dk x 16]: warp w owns kMt x kNt 16 x 8 tiles (dk 64: 1 x 1, 128: 1 x 2,
 //                 256: 2 x 2), summing over the 64 chunk rows (8 k-steps). The carry X
 //                 lives in those warps' registers in the mma accumulator layout (FP32,
@@ -40,12 +43,12 @@
 // [64][DK + 8] (a whole chunk of each operand; 2 stages for dk 64 and 128, 1 for dk 256,
 // whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32), and x_p
 // [DK][20] and r_p [64][20], the same values split once into (big, small) TF32 pairs by
-// the warp that produces them (the B operands of both products: 4 of the 8 warps read
-// each x element, all 8 each R element, so splitting at the reader converted them 4x and
-// 8x over). The pitches make every fragment load conflict-free: A from left_s reads rows
-// g, columns t (bank 4 g + t), A from right_s (right^T) reads rows t, columns g
-// (bank 8 t + g), B pairs (64-bit, per half warp) from x_p / r_p rows t, columns g
-// (banks 8 t + 2 g + {0, 1} mod 32), with g = lane / 4 and t = lane % 4.
+// the warp that produces them (all 8 warps read each x element, as A of R^T, and each R
+// element, as B of X', so splitting at the reader converted them 8x over). The pitches
+// make every fragment load conflict-free: B from left_s (left^T) reads rows g, columns t
+// (bank 4 g + t), A from right_s (right^T) reads rows t, columns g (bank 8 t + g), pairs
+// (64-bit, per half warp) from x_p / r_p rows t, columns g (banks 8 t + 2 g + {0, 1}
+// mod 32), with g = lane / 4 and t = lane % 4.
 // Per chunk with two stages: the next chunk's `left` and `right` stream from global
 // memory into the other stage (cp.async) during the whole chunk; phase A (R) reads left_s
 // and x_p, stores R to r_s / r_p; barrier; phase B (X') reads right_s and r_p, stores the
@@ -234,9 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t dv = args.dv;
   const int64_t state_size = static_cast<int64_t>(DK) * dv;
-  // R tile of this warp; X' tiles: rows x_row0 + 16 kWarpsPerColumnGroup q + [0, 16),
-  // columns x_col0 + 8 p + [0, 8).
-  const int r_row0 = 16 * (warp % 4), r_col0 = 8 * (warp / 4);
+  // R rows of this warp (R^T tile: all 16 columns x rows r_row0 + [0, 8)); X' tiles: rows
+  // x_row0 + 16 kWarpsPerColumnGroup q + [0, 16), columns x_col0 + 8 p + [0, 8).
+  const int r_row0 = 8 * warp;
+  // R element e of this lane's accumulator: row r_row(e), column r_col(e).
+  auto r_row = [&](int e) { return r_row0 + 2 * t + e % 2; };
+  auto r_col = [&](int e) { return g + 8 * (e / 2); };
   const int x_row0 = 16 * (warp % kWarpsPerColumnGroup);
   const int x_col0 = 8 * kNt * (warp / kWarpsPerColumnGroup);
   auto x_row = [&](int q, int e) {
@@ -324,8 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float base_v[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      base_v[e] =
-          base[(r_row0 + g + 8 * (e / 2)) * args.base.stride_row + col0 + r_col0 + 2 * t + e % 2];
+      base_v[e] = base[r_row(e) * args.base.stride_row + col0 + r_col(e)];
     }
     const float decay = expf(args.g_last[bhn]);
     // dot_with at the carries_out maps, and extra at this warp's X' tiles (read early when
@@ -361,25 +366,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       Acc3 acc;
       zero(acc);
-      const float* a_rows = left_s + (r_row0 + g) * kPL + t;
-      const Tf32Pair* b_rows = x_p + t * kPP + r_col0 + g;
+      // R^T = X^T @ left^T: A = X^T (A[j][k] = x_p[k][j]), B = left^T (B[k][c] =
+      // left_s[c][k]), so each left element is split by the one warp that owns its row.
+      const Tf32Pair* a_rows = x_p + t * kPP + g;
+      const float* b_rows = left_s + (r_row0 + g) * kPL + t;
 #pragma unroll 4
       for (int k0 = 0; k0 < DK; k0 += 8) {
-        uint32_t a_big[4], a_small[4];
-        split_tf32(a_rows[k0], a_big[0], a_small[0]);
-        split_tf32(a_rows[8 * kPL + k0], a_big[1], a_small[1]);
-        split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
-        split_tf32(a_rows[8 * kPL + k0 + 4], a_big[3], a_small[3]);
-        const Tf32Pair b0 = b_rows[k0 * kPP], b1 = b_rows[(k0 + 4) * kPP];
-        const uint32_t b_big[2] = {b0.big, b1.big}, b_small[2] = {b0.small, b1.small};
+        const Tf32Pair a0 = a_rows[k0 * kPP], a1 = a_rows[k0 * kPP + 8];
+        const Tf32Pair a2 = a_rows[(k0 + 4) * kPP], a3 = a_rows[(k0 + 4) * kPP + 8];
+        const uint32_t a_big[4] = {a0.big, a1.big, a2.big, a3.big};
+        const uint32_t a_small[4] = {a0.small, a1.small, a2.small, a3.small};
+        uint32_t b_big[2], b_small[2];
+        split_tf32(b_rows[k0], b_big[0], b_small[0]);
+        split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
         mma_3xtf32(acc, a_big, a_small, b_big, b_small);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int at = r_row0 + g + 8 * (e / 2), col = r_col0 + 2 * t + e % 2;
         const float r = base_v[e] + args.left_sign * total(acc, e);
-        r_s[at * kPX + col] = r;
-        r_p[at * kPP + col] = split_pair(r);
+        r_s[r_row(e) * kPX + r_col(e)] = r;
+        r_p[r_row(e) * kPP + r_col(e)] = split_pair(r);
       }
     }
 
