@@ -41,27 +41,29 @@
 //                 chunk for the next R product, carries_out and the dGlast partials.
 // Shared memory (dynamic): kStages operand stages, each left_s [64][DK + 4] and right_s
 // [64][DK + 8] (a whole chunk of each operand; 2 stages for dk 64 and 128, 1 for dk 256,
-// whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32), and x_p
-// [DK][20] and r_p [64][20], the same values split once into (big, small) TF32 pairs by
-// the warp that produces them (all 8 warps read each x element, as A of R^T, and each R
-// element, as B of X', so splitting at the reader converted them 8x over). The pitches
-// make every fragment load conflict-free: B from left_s (left^T) reads rows g, columns t
-// (bank 4 g + t), A from right_s (right^T) reads rows t, columns g (bank 8 t + g), pairs
-// (64-bit, per half warp) from x_p / r_p rows t, columns g (banks 8 t + 2 g + {0, 1}
-// mod 32), with g = lane / 4 and t = lane % 4.
+// whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32), and the
+// same values split once into TF32 big / small planes by the warp that produces them
+// (all 8 warps read each x element, as A of R^T, and each R element, as B of X', so
+// splitting at the reader converted them 8x over): x_big / x_small [DK][24] with column
+// j at 2 (j % 8) + j / 8, r_big / r_small [32][40] with R[c][j] in row-pair
+// 4 (c / 8) + c % 4 at 2 j + (c % 8) / 4, so an A fragment's (a0, a1) and (a2, a3) of X^T
+// and a B fragment's (b0, b1) of R are each one 64-bit load into the mma's operand
+// registers. The pitches make every fragment load conflict-free (g = lane / 4,
+// t = lane % 4): B from left_s (left^T) reads rows g, columns t (bank 4 g + t), A from
+// right_s (right^T) rows t, columns g (bank 8 t + g), the 64-bit plane loads (per half
+// warp) rows t, words 2 g + {0, 1} (banks 24 t or 40 t, + 2 g + {0, 1} mod 32).
 // Per chunk with two stages: the next chunk's `left` and `right` stream from global
 // memory into the other stage (cp.async) during the whole chunk; phase A (R) reads left_s
-// and x_p, stores R to r_s / r_p; barrier; phase B (X') reads right_s and r_p, stores the
-// new carry to x_s / x_p; wait + barrier. With one stage (dk 256): phase A overlaps the
-// chunk's `right` load, phase B the next `left` load, each phase ending in wait +
-// barrier. Two barriers per chunk either way, and no operand load holds registers. The
-// chunk's dot_with and extra elements (dk <= 128) are read from global memory before
-// phase A's mma loop, so their latency hides behind it.
-// Outputs: carries_out, rows_out, carry_final and the dGlast partials are written from
-// x_s / r_s with the SIMT kernel's element-to-thread maps (element e = tid + 256 u of the
-// [rows x 16] tile, row e / 16, column e % 16), so dot_out keeps its exact slot layout
-// (kernels/gdr_chunk_state.h): thread tid's partial is decay * sum over u in order of
-// dot_with * X at row tid / 16 + 16 u, column tid % 16.
+// and the x planes, stores R to r_s and the R planes; barrier; phase B (X') reads right_s
+// and the R planes, stores the new carry to x_s and the x planes; wait + barrier. With
+// one stage (dk 256): phase A overlaps the chunk's `right` load, phase B the next `left`
+// load, each phase ending in wait + barrier. Two barriers per chunk either way, and no operand load
+// holds registers. The chunk's dot_with and extra elements (dk <= 128) are read from global memory
+// before phase A's mma loop, so their latency hides behind it. Outputs: carries_out, rows_out,
+// carry_final and the dGlast partials are written from x_s / r_s with the SIMT kernel's
+// element-to-thread maps (element e = tid + 256 u of the [rows x 16] tile, row e / 16, column e %
+// 16), so dot_out keeps its exact slot layout (kernels/gdr_chunk_state.h): thread tid's partial is
+// decay * sum over u in order of dot_with * X at row tid / 16 + 16 u, column tid % 16.
 #pragma once
 
 #include "kernels/gdr_chunk_state.h"
@@ -129,14 +131,14 @@ constexpr int kTile = kChunkStateTileDv;
 constexpr int kThreads = kChunkStateThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPitchTile = kTile + 8;        // x_s and r_s rows, in floats
-constexpr int kPitchPair = kTile + 4;        // x_p and r_p rows, in pairs (B loads conflict-free)
+constexpr int kPitchXPlane = kTile + 8;      // x_big / x_small rows (16 used)
+constexpr int kPitchRPlane = 2 * kTile + 8;  // r_big / r_small rows (row pairs, 32 used)
 constexpr int kMaxSharedBytes = 227 * 1024;  // sm_90's opt-in limit per block
 static_assert(kC == 64 && kTile == 16 && kThreads == 256, "the warp split assumes these");
 
-// One FP32 value's TF32 big / small parts (split_tf32 below), side by side so a B fragment
-// element is one 64-bit shared load.
-struct alignas(8) Tf32Pair {
-  uint32_t big, small;
+// Two adjacent 32-bit words (one 64-bit shared load).
+struct alignas(8) U32x2 {
+  uint32_t lo, hi;
 };
 
 // Shared memory layout, in floats (every offset a multiple of 4 floats). kStages operand
@@ -147,15 +149,18 @@ struct TcLayout {
   static constexpr int kPitchLeft = DK + 4;
   static constexpr int kPitchRight = DK + 8;
   static constexpr int kOperands = kC * (kPitchLeft + kPitchRight);  // one stage
-  static constexpr int kRest = (DK + kC) * (kPitchTile + 2 * kPitchPair);
+  static constexpr int kRest =
+      (DK + kC) * kPitchTile + 2 * DK * kPitchXPlane + 2 * (kC / 2) * kPitchRPlane;
   static constexpr int kStages = (2 * kOperands + kRest) * 4 <= kMaxSharedBytes ? 2 : 1;
   static constexpr int kLeft = 0;  // stage s at + s * kOperands
   static constexpr int kRight = kLeft + kC * kPitchLeft;
   static constexpr int kX = kStages * kOperands;
   static constexpr int kR = kX + DK * kPitchTile;
-  static constexpr int kXPairs = kR + kC * kPitchTile;
-  static constexpr int kRPairs = kXPairs + DK * kPitchPair * 2;
-  static constexpr int kFloats = kRPairs + kC * kPitchPair * 2;
+  static constexpr int kXBig = kR + kC * kPitchTile;
+  static constexpr int kXSmall = kXBig + DK * kPitchXPlane;
+  static constexpr int kRBig = kXSmall + DK * kPitchXPlane;
+  static constexpr int kRSmall = kRBig + (kC / 2) * kPitchRPlane;
+  static constexpr int kFloats = kRSmall + (kC / 2) * kPitchRPlane;
   static constexpr int kBytes = kFloats * 4;
   static_assert(kFloats - kX == kRest && kBytes <= kMaxSharedBytes, "layout");
 };
@@ -166,10 +171,18 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
   small = tf32_round(x - tf32_as_float(big));
 }
 
-__device__ __forceinline__ Tf32Pair split_pair(float x) {
-  Tf32Pair pair;
-  split_tf32(x, pair.big, pair.small);
-  return pair;
+// x's split into the big / small planes at word `at`.
+__device__ __forceinline__ void put_split(uint32_t* big_plane, uint32_t* small_plane, int at,
+                                          float x) {
+  split_tf32(x, big_plane[at], small_plane[at]);
+}
+
+// Words at and at + 1 of a plane (at even).
+__device__ __forceinline__ void load_u32x2(const uint32_t* plane, int at, uint32_t& lo,
+                                           uint32_t& hi) {
+  const U32x2 v = *reinterpret_cast<const U32x2*>(plane + at);
+  lo = v.lo;
+  hi = v.hi;
 }
 
 // The three accumulators of one 16 x 8 output tile (Note above).
@@ -203,7 +216,8 @@ template <int DK>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_state_scan_tc_kernel(const ChunkStateScanArgs args) {
   using L = TcLayout<DK>;
-  constexpr int kPL = L::kPitchLeft, kPR = L::kPitchRight, kPX = kPitchTile, kPP = kPitchPair;
+  constexpr int kPL = L::kPitchLeft, kPR = L::kPitchRight, kPX = kPitchTile;
+  constexpr int kPXP = kPitchXPlane, kPRP = kPitchRPlane;
   constexpr int kStages = L::kStages;
   // X' split: kNt n-tiles (8 columns) and kMt m-tiles (16 rows) per warp.
   constexpr int kNt = DK >= 128 ? 2 : 1;
@@ -223,8 +237,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* const x_s = smem + L::kX;  // [i][j]: the carry entering the chunk
   float* const r_s = smem + L::kR;  // [c][j]: R
   // x_s and r_s split into TF32 pairs once by their producers (the mma B operands).
-  Tf32Pair* const x_p = reinterpret_cast<Tf32Pair*>(smem + L::kXPairs);  // [i][j]
-  Tf32Pair* const r_p = reinterpret_cast<Tf32Pair*>(smem + L::kRPairs);  // [c][j]
+  // The TF32 big / small planes of x and R (Note above): word x_at(i, j) holds x[i][j],
+  // word r_at(c, j) R[c][j].
+  uint32_t* const x_big = reinterpret_cast<uint32_t*>(smem + L::kXBig);
+  uint32_t* const x_small = reinterpret_cast<uint32_t*>(smem + L::kXSmall);
+  uint32_t* const r_big = reinterpret_cast<uint32_t*>(smem + L::kRBig);
+  uint32_t* const r_small = reinterpret_cast<uint32_t*>(smem + L::kRSmall);
+  auto x_at = [](int i, int j) { return i * kPXP + 2 * (j % 8) + j / 8; };
+  auto r_at = [](int c, int j) { return (c / 8 * 4 + c % 4) * kPRP + 2 * j + c % 8 / 4; };
   // Operand stage s: left_s [c][k] and right_s [c][i].
   auto left_of = [smem](int s) { return smem + L::kLeft + s * L::kOperands; };
   auto right_of = [smem](int s) { return smem + L::kRight + s * L::kOperands; };
@@ -281,11 +301,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   // The carry, in the accumulator layout of this warp's X' tiles; put_carry publishes one
-  // element to x_s and x_p.
+  // element to x_s and the x planes.
   float carry[kMt][kNt][4];
   auto put_carry = [&](int q, int p, int e, float x) {
     x_s[x_row(q, e) * kPX + x_col(p, e)] = x;
-    x_p[x_row(q, e) * kPP + x_col(p, e)] = split_pair(x);
+    put_split(x_big, x_small, x_at(x_row(q, e), x_col(p, e)), x);
   };
 #pragma unroll
   for (int q = 0; q < kMt; ++q) {
@@ -314,7 +334,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* const left_s = left_of(s);
     const float* const right_s = right_of(s);
 
-    // ---- Phase A: R = base + left_sign * left @ X (reads left_s, x_p; writes r_s, r_p).
+    // ---- Phase A: R = base + left_sign * left @ X (reads left_s, the x planes; writes r_s,
+    // the R planes).
     // Two stages: the next chunk's operands land in the other stage during this whole
     // chunk (its last reads were in the previous chunk, before the closing barrier). One
     // stage: this chunk's `right` lands during phase A, the next `left` during phase B.
@@ -366,16 +387,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       Acc3 acc;
       zero(acc);
-      // R^T = X^T @ left^T: A = X^T (A[j][k] = x_p[k][j]), B = left^T (B[k][c] =
+      // R^T = X^T @ left^T: A = X^T (A[j][k] = x[k][j]), B = left^T (B[k][c] =
       // left_s[c][k]), so each left element is split by the one warp that owns its row.
-      const Tf32Pair* a_rows = x_p + t * kPP + g;
+      const int a_at = x_at(t, g);  // a0 = X[k0 + t][g], a1 = X[k0 + t][g + 8]: adjacent
       const float* b_rows = left_s + (r_row0 + g) * kPL + t;
 #pragma unroll 4
       for (int k0 = 0; k0 < DK; k0 += 8) {
-        const Tf32Pair a0 = a_rows[k0 * kPP], a1 = a_rows[k0 * kPP + 8];
-        const Tf32Pair a2 = a_rows[(k0 + 4) * kPP], a3 = a_rows[(k0 + 4) * kPP + 8];
-        const uint32_t a_big[4] = {a0.big, a1.big, a2.big, a3.big};
-        const uint32_t a_small[4] = {a0.small, a1.small, a2.small, a3.small};
+        uint32_t a_big[4], a_small[4];
+        load_u32x2(x_big, a_at + k0 * kPXP, a_big[0], a_big[1]);
+        load_u32x2(x_big, a_at + (k0 + 4) * kPXP, a_big[2], a_big[3]);
+        load_u32x2(x_small, a_at + k0 * kPXP, a_small[0], a_small[1]);
+        load_u32x2(x_small, a_at + (k0 + 4) * kPXP, a_small[2], a_small[3]);
         uint32_t b_big[2], b_small[2];
         split_tf32(b_rows[k0], b_big[0], b_small[0]);
         split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
@@ -385,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e) {
         const float r = base_v[e] + args.left_sign * total(acc, e);
         r_s[r_row(e) * kPX + r_col(e)] = r;
-        r_p[r_row(e) * kPP + r_col(e)] = split_pair(r);
+        put_split(r_big, r_small, r_at(r_row(e), r_col(e)), r);
       }
     }
 
@@ -408,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
 
     // ---- Phase B: X' = decay * X + extra + right_sign * right^T @ R (reads right_s,
-    // r_p; writes x_s, x_p).
+    // the R planes; writes x_s, the x planes).
     if (kStages == 1 && step + 1 < args.chunks) {
       stage(args.left, left_quads, chunk_of(step + 1), left_of(0), kPL);
     }
@@ -433,12 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t b_big[kNt][2], b_small[kNt][2];
 #pragma unroll
         for (int p = 0; p < kNt; ++p) {
-          const Tf32Pair* b = r_p + (c0 + t) * kPP + x_col0 + 8 * p + g;
-          const Tf32Pair b0 = b[0], b1 = b[4 * kPP];
-          b_big[p][0] = b0.big;
-          b_small[p][0] = b0.small;
-          b_big[p][1] = b1.big;
-          b_small[p][1] = b1.small;
+          // b0 = R[c0 + t][col], b1 = R[c0 + t + 4][col]: adjacent (c0 % 8 == 0).
+          const int at = r_at(t, x_col0 + 8 * p + g) + c0 / 2 * kPRP;
+          load_u32x2(r_big, at, b_big[p][0], b_big[p][1]);
+          load_u32x2(r_small, at, b_small[p][0], b_small[p][1]);
         }
 #pragma unroll
         for (int q = 0; q < kMt; ++q) {
