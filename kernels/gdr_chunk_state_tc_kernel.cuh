@@ -283,22 +283,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   // them). float4 path: quad q = tid + u * kThreads is row q / (DK / 4), columns
   // 4 (q % (DK / 4)) ..; scalar path: element e = tid + u * kThreads is row e / DK,
   // column e % DK.
+  // kThreads is a multiple of both DK / 4 and DK, so pass u is rows row + u kRows..., one
+  // running 64-bit source offset and constant shared offsets.
+  static_assert(kThreads % DK == 0, "whole rows per pass");
   auto stage = [&](const ChunkOperand& op, bool quads, int64_t n, float* dst, int pitch) {
     const float* src = op.data + bh * op.stride_bh + n * op.stride_n;
     if (quads) {
+      constexpr int kRows = kThreads / kQuadsPerRow;
+      const int row = tid / kQuadsPerRow, col = (tid % kQuadsPerRow) * 4;
+      int64_t at = row * op.stride_row + col;
+      const int64_t pass = kRows * op.stride_row;
+      float* const d = dst + row * pitch + col;
 #pragma unroll
       for (int u = 0; u < kLoads / 4; ++u) {
-        const int q = tid + u * kThreads, row = q / kQuadsPerRow, col = (q % kQuadsPerRow) * 4;
-        cp_async_16(dst + row * pitch + col, src + row * op.stride_row + col);
+        cp_async_16(d + u * kRows * pitch, src + at);  // quad tid + u kThreads
+        at += pass;
       }
     } else {
+      constexpr int kRows = kThreads / DK;
+      const int row = tid / DK, col = tid % DK;
+      int64_t at = row * op.stride_row + col;
+      const int64_t pass = kRows * op.stride_row;
+      float* const d = dst + row * pitch + col;
 #pragma unroll 8
       for (int u = 0; u < kLoads; ++u) {
-        const int e = tid + u * kThreads, row = e / DK, col = e % DK;
-        cp_async_4(dst + row * pitch + col, src + row * op.stride_row + col);
+        cp_async_4(d + u * kRows * pitch, src + at);  // element tid + u kThreads
+        at += pass;
       }
     }
   };
+  // Offset of this thread's element u of a [rows x 16] tile (element tid + u kThreads: row
+  // tid / 16 + 16 u, column tid % 16) in a [rows x dv] matrix at column col0: tile_at +
+  // u tile_pass.
+  const int64_t tile_at = (tid / kTile) * dv + col0 + tid % kTile;
+  const int64_t tile_pass = (kThreads / kTile) * dv;
+  // Offset of this lane's X' accumulator element (q, p, e) in a [dk x dv] matrix:
+  // x_at0 + x_row_off(q, e) * dv + x_col_off(p, e).
+  const int64_t x_at0 = static_cast<int64_t>(x_row(0, 0)) * dv + col0 + x_col(0, 0);
+  auto x_row_off = [](int q, int e) { return 16 * kWarpsPerColumnGroup * q + 8 * (e / 2); };
+  auto x_col_off = [](int p, int e) { return 8 * p + e % 2; };
 
   // The carry, in the accumulator layout of this warp's X' tiles; put_carry publishes one
   // element to x_s and the x planes.
@@ -347,21 +370,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       stage(args.right, right_quads, n, right_of(0), kPR);
     }
-    const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n;
+    // base at R element e: rows r_row(0) + e % 2, columns r_col(0) + 8 (e / 2).
+    const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n +
+                        r_row(0) * args.base.stride_row + col0 + r_col(0);
     float base_v[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      base_v[e] = base[r_row(e) * args.base.stride_row + col0 + r_col(e)];
-    }
+    for (int e = 0; e < 4; ++e) base_v[e] = base[(e % 2) * args.base.stride_row + 8 * (e / 2)];
     const float decay = expf(args.g_last[bhn]);
     // dot_with at the carries_out maps, and extra at this warp's X' tiles (read early when
     // kEarly, else where they are used).
     float dot_v[kTileElems];
     auto load_dot = [&]() {
+      int64_t at = bhn * state_size + tile_at;
 #pragma unroll
       for (int u = 0; u < kTileElems; ++u) {
-        const int e = tid + u * kThreads, i = e / kTile, j = e % kTile;
-        dot_v[u] = args.dot_with ? args.dot_with[bhn * state_size + i * dv + col0 + j] : 0.0f;
+        dot_v[u] = args.dot_with ? args.dot_with[at] : 0.0f;
+        at += tile_pass;
       }
     };
     float extra_v[kMt][kNt][4];
@@ -373,8 +397,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             extra_v[q][p][e] =
-                args.extra ? args.extra[bhn * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
-                           : 0.0f;
+                args.extra
+                    ? args.extra[bhn * state_size + x_at0 + x_row_off(q, e) * dv + x_col_off(p, e)]
+                    : 0.0f;
           }
         }
       }
@@ -417,12 +442,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!kEarly) load_dot();
     {
       float dot = 0.0f;
+      int64_t at = bhn * state_size + tile_at;
 #pragma unroll
       for (int u = 0; u < kTileElems; ++u) {
         const int e = tid + u * kThreads, i = e / kTile, j = e % kTile;
         const float x = x_s[i * kPX + j];
-        args.carries_out[bhn * state_size + i * dv + col0 + j] = x;
+        args.carries_out[at] = x;
         dot = fmaf(dot_v[u], x, dot);
+        at += tile_pass;
       }
       if (args.dot_with) args.dot_out[(bhn * tiles + tile) * kThreads + tid] = decay * dot;
     }
@@ -437,10 +464,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!kEarly) load_extra();  // read now, used after the mma loop
     {
       float* rows_out = args.rows_out + bhn * kC * dv;
+      int64_t at = tile_at;
 #pragma unroll
       for (int u = 0; u < kRowElems; ++u) {
         const int e = tid + u * kThreads, c = e / kTile, j = e % kTile;
-        rows_out[c * dv + col0 + j] = r_s[c * kPX + j];
+        rows_out[at] = r_s[c * kPX + j];
+        at += tile_pass;
       }
     }
     {
