@@ -90,8 +90,9 @@ struct ChunkStateScanArgs {
 };
 
 // Whether launch_chunk_state_scan runs the tensor-core kernel for these shapes (given a
-// supported shape, a device that grants its dynamic shared memory: all sm_80+ parts for
-// dk <= 128; dk = 256 needs 161 KiB).
+// supported shape, a device that grants its dynamic shared memory: 104 KiB for dk = 64,
+// 186 KiB for dk = 128, 219 KiB for dk = 256, so sm_90 parts for all three, sm_80 for
+// dk = 64 only; elsewhere the SIMT kernel runs).
 inline bool chunk_state_scan_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
   return allow_tensor_cores && (dk == 64 || dk == 128 || dk == 256) && dv > 0 &&
          dv % kChunkStateTileDv == 0;
