@@ -83,6 +83,22 @@ void check_prep_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
+// GDR_CHUNK_PREP_TC=0 selects the FP32 SIMT prep kernels; unset or anything else the
+// tensor-core (3xTF32) products where they apply (chunk_prep_uses_tensor_cores in
+// kernels/gdr_chunk_prep.h). Read on every call, as GDR_CHUNK_SCAN_TC (a captured CUDA
+// graph keeps the kernel it captured).
+bool prep_tensor_cores_allowed() {
+  const char* value = std::getenv("GDR_CHUNK_PREP_TC");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
+template <typename Args>
+Args with_prep_variant(const Args& args) {
+  Args chosen = args;
+  chosen.shape.allow_tensor_cores = args.shape.allow_tensor_cores && prep_tensor_cores_allowed();
+  return chosen;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -91,9 +107,9 @@ chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return chunk_prep_internal::forward_via_kernel(
       q, k, v, g, beta, scale, chunk_size, l2_normalize_qk,
       [](const kernels::ChunkPrepForwardArgs& args) {
-        check_prep_launch(
-            kernels::launch_chunk_prep_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
-            "forward kernel");
+        check_prep_launch(kernels::launch_chunk_prep_forward(
+                              with_prep_variant(args), c10::cuda::getCurrentCUDAStream().stream()),
+                          "forward kernel");
       });
 }
 
@@ -108,9 +124,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
   return chunk_prep_internal::backward_via_kernel(
       grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g, beta, u, w, scale,
       chunk_size, l2_normalize_qk, [](const kernels::ChunkPrepBackwardArgs& args) {
-        check_prep_launch(
-            kernels::launch_chunk_prep_backward(args, c10::cuda::getCurrentCUDAStream().stream()),
-            "backward kernel");
+        check_prep_launch(kernels::launch_chunk_prep_backward(
+                              with_prep_variant(args), c10::cuda::getCurrentCUDAStream().stream()),
+                          "backward kernel");
       });
 }
 
