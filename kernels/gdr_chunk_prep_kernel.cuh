@@ -53,16 +53,26 @@
 // With TC (the template parameter of the bodies; the launchers pick it with
 // chunk_prep_uses_tensor_cores, GDR_CHUNK_PREP_TC=0 in the op layer turns it off) the
 // Gram tiles K K^T and Q K^T (C x C outputs contracting over dk; forward and backward
-// phase 1) run as warp-level mma.sync m16n8k8 TF32 with the 3xTF32 split (Note [3xTF32
-// products] in kernels/mma_tf32.cuh: FP32-level accuracy). Only the lower triangle is
+// phase 1) and the backward's dM = -dR X^T (phase 3: C x C contracting over dv + dk,
+// X = [U | W] streamed through the slab buffer) run as warp-level mma.sync m16n8k8 TF32
+// with the 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level
+// accuracy). Only the lower triangle is
 // used: of the 4 x 8 grid of 16 x 8 tiles per product, the 20 with column block
 // cb < 2 rb + 2 touch it, 40 tiles for both products, 5 per warp (warp w takes tiles
 // w, w + 8, ..); each warp owns whole tiles and sums all of dk itself in increasing k.
 // The fragments read K and Q straight from their shared rows (pitch dk + 4 = 4 mod 32:
 // A[r][k] = rows[16 rb + r][k] and B[k][n] = K[8 cb + n][k] both hit bank 4 g + t, so the
-// loads are conflict-free). The tiles wholly above the diagonal are not computed; the
-// consumers get 0 there, as in the SIMT products. All other products (the solves, dM,
-// dK / dQ, the row sums) are the FP32 SIMT code either way.
+// loads are conflict-free). In phase 3 warp w owns lower tiles w, w + 8, w + 16 (< 20) of
+// dM and keeps their accumulators across the slabs, c increasing. The tiles wholly above
+// the diagonal are not computed; the consumers get 0 there, as in the SIMT products. All
+// other products (the triangular solves, dK / dQ, the row sums) are the FP32 SIMT code
+// either way. Not converted yet: phase 6 (dK, dQ: three C x C by C x dk products, the
+// largest remaining, ~3 MFLOP per block at dk = 128). Its results feed the fused L2
+// norm's row dots and the stores in the SIMT (tr, tc) register layout, and a warp's share
+// of both C x dk outputs as 3xTF32 accumulators (16 tiles x 12 floats at dk = 128) is over
+// the register budget, so it needs column passes with the products staged in shared
+// memory (none is free at dk = dv = 128 without reusing kl / pm) and a fixed-order
+// cross-warp row dot. The solves are sequential in the row index and stay SIMT.
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
@@ -323,6 +333,22 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
   }
 }
 
+// The 16 x 8 tiles of a C x C product that touch its lower triangle (i >= j): of the
+// 4 x 8 grid, row block rb holds column blocks cb = 0 .. 2 rb + 1, 20 tiles in all,
+// numbered row block by row block. Tiles with cb >= 2 rb + 2 lie wholly above the diagonal.
+constexpr int kLowerTiles = 20;
+__device__ __forceinline__ void lower_tile(int x, int& rb, int& cb) {
+  rb = 0;
+  while (x >= 2 * rb + 2) {
+    x -= 2 * rb + 2;
+    ++rb;
+  }
+  cb = x;
+}
+__device__ __forceinline__ bool above_lower_tiles(int i, int j) {
+  return j / 8 >= 2 * (i / 16) + 2;
+}
+
 // The tensor-core Gram tiles (Note [Chunk prep on tensor cores]): calls kk_out(i, j, x)
 // with x = (K K^T)_ij and qk_out(i, j, x) with x = (Q K^T)_ij once for every element of
 // the C x C products, 0 for the tiles wholly above the diagonal (x = 0 there, as the SIMT
@@ -333,14 +359,12 @@ __device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, cons
                                               const QkOut& qk_out) {
   using namespace mma_tf32;
   constexpr int kWarps = kThreads / 32;
-  constexpr int kLowerTiles = 20;  // per product: sum over rb < 4 of 2 rb + 2
   static_assert(kC == 64 && (2 * kLowerTiles) % kWarps == 0, "whole tiles per warp");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   for (int x = warp; x < 2 * kLowerTiles; x += kWarps) {
     const bool is_qk = x >= kLowerTiles;
-    int m = x % kLowerTiles, rb = 0;
-    while (m >= 2 * rb + 2) m -= 2 * rb + 2, ++rb;  // row block rb: tiles cb = 0 .. 2 rb + 1
-    const int cb = m;
+    int rb, cb;
+    lower_tile(x % kLowerTiles, rb, cb);
     const float* a_rows = (is_qk ? qs + (16 * rb + g) * q_pitch : ks + (16 * rb + g) * k_pitch) + t;
     const int a_pitch = is_qk ? q_pitch : k_pitch;
     const float* b_rows = ks + (8 * cb + g) * k_pitch + t;
@@ -369,7 +393,7 @@ __device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, cons
   }
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e % kC;
-    if (j / 8 >= 2 * (i / 16) + 2) {
+    if (above_lower_tiles(i, j)) {
       kk_out(i, j, 0.0f);
       qk_out(i, j, 0.0f);
     }
@@ -630,6 +654,17 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
                             : args.w[chunk_dk + j * DK + c - dv];
       }
     };
+    // Tensor-core variant (Note [Chunk prep on tensor cores]): warp w owns the lower
+    // tiles w, w + 8, w + 16 (< 20) of dM and keeps their 3xTF32 accumulators across the
+    // slabs, each walking c in increasing order. A[r][k] = dR[16 rb + r][c0 + k] (rs, pitch
+    // dv + dk + 4 = 4 or 20 mod 32: banks 4 g + t or 20 g + t, distinct over the warp),
+    // B[k][n] = X[8 cb + n][k] (xs, pitch 36: bank 4 g + t). Conflict-free loads.
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kTcTiles = (kLowerTiles + kWarps - 1) / kWarps;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    mma_tf32::Acc3 tc_acc[kTcTiles];
+#pragma unroll
+    for (int u = 0; u < kTcTiles; ++u) mma_tf32::zero(tc_acc[u]);
     fetch_slab(0);
     for (int c0 = 0; c0 < cols; c0 += kSlab) {
       const int width = cols - c0 < kSlab ? cols - c0 : kSlab;
@@ -640,28 +675,70 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
       __syncthreads();
       if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
-      for (int cc = 0; cc < width; cc += 4) {
-        Vec4 dr[kTileRows], x[kTileRows];
+      if constexpr (TC) {
+        using namespace mma_tf32;
 #pragma unroll
-        for (int a = 0; a < kTileRows; ++a) {
-          dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
-          x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
+        for (int u = 0; u < kTcTiles; ++u) {
+          const int x = warp + kWarps * u;
+          if (x >= kLowerTiles) continue;
+          int rb, cb;
+          lower_tile(x, rb, cb);
+          const float* a_rows = rs + (16 * rb + g) * rp + c0 + t;
+          const float* b_rows = xs + (8 * cb + g) * xp + t;
+          for (int k0 = 0; k0 < width; k0 += 8) {
+            uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
+            split_tf32(a_rows[k0], a_big[0], a_small[0]);
+            split_tf32(a_rows[8 * rp + k0], a_big[1], a_small[1]);
+            split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
+            split_tf32(a_rows[8 * rp + k0 + 4], a_big[3], a_small[3]);
+            split_tf32(b_rows[k0], b_big[0], b_small[0]);
+            split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
+            mma_3xtf32(tc_acc[u], a_big, a_small, b_big, b_small);
+          }
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
+      } else {
+        for (int cc = 0; cc < width; cc += 4) {
+          Vec4 dr[kTileRows], x[kTileRows];
 #pragma unroll
           for (int a = 0; a < kTileRows; ++a) {
+            dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
+            x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
+          }
 #pragma unroll
-            for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+          for (int u = 0; u < 4; ++u) {
+#pragma unroll
+            for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+              for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+            }
           }
         }
       }
       __syncthreads();
     }
-    for (int a = 0; a < kTileRows; ++a) {
-      for (int b = 0; b < kTileRows; ++b) {
-        const int i = ti + kSide * a, j = tj + kSide * b;
-        d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
+    if constexpr (TC) {
+#pragma unroll
+      for (int u = 0; u < kTcTiles; ++u) {
+        const int x = warp + kWarps * u;
+        if (x >= kLowerTiles) continue;
+        int rb, cb;
+        lower_tile(x, rb, cb);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
+          d1[i * mp + j] = i > j ? -mma_tf32::total(tc_acc[u], e) : 0.0f;
+        }
+      }
+      for (int e = tid; e < kC * kC; e += kThreads) {
+        const int i = e / kC, j = e % kC;
+        if (above_lower_tiles(i, j)) d1[i * mp + j] = 0.0f;
+      }
+    } else {
+      for (int a = 0; a < kTileRows; ++a) {
+        for (int b = 0; b < kTileRows; ++b) {
+          const int i = ti + kSide * a, j = tj + kSide * b;
+          d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
+        }
       }
     }
   }
