@@ -3,7 +3,9 @@
 // loop (composite), the scan on tensor cores ("kernel (tc)", the default) and on the FP32
 // SIMT kernel ("kernel (simt)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), and
 // steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
-// through set_gdr_core_prep) against the ATen ops (aten): forward (autograd recording, as
+// through set_gdr_core_prep; with tensor-core Gram tiles, the default, and on FP32 SIMT,
+// "kernel (simt)", GDR_CHUNK_PREP_TC=0, set per arm in this process) against the ATen ops
+// (aten): forward (autograd recording, as
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
 // --dtype=model, what the model hands the core: raw (unnormalised) BF16 q, k with
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "bench/cuda_timing.h"
+#include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
 
@@ -100,24 +103,31 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
 
   // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
   // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
-  // SIMT kernel; the last arm (all ATen) is the baseline of the "vs composite" columns.
+  // SIMT kernel; the prep kernels with tensor-core Gram tiles (the default) and,
+  // GDR_CHUNK_PREP_TC=0, all FP32 SIMT; the last arm (all ATen) is the baseline of the
+  // "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
     bool scan_tc;
+    bool prep_tc = true;
   };
-  constexpr int kArms = 4;
+  constexpr int kArms = 5;
   const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
                            {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
   const char* scan_env = std::getenv("GDR_CHUNK_SCAN_TC");
   const std::string saved_scan_env = scan_env ? scan_env : "";
+  const char* prep_env = std::getenv("GDR_CHUNK_PREP_TC");
+  const std::string saved_prep_env = prep_env ? prep_env : "";
   Timings t[kArms];
   for (int i = 0; i < kArms; ++i) {
     set_gdr_core_impl(arms[i].impl);
     set_gdr_core_prep(arms[i].prep);
     setenv("GDR_CHUNK_SCAN_TC", arms[i].scan_tc ? "1" : "0", 1);
+    setenv("GDR_CHUNK_PREP_TC", arms[i].prep_tc ? "1" : "0", 1);
     forward();
     if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
       std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
@@ -130,6 +140,12 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
                    arms[i].scan_tc ? "SIMT" : "tensor cores",
                    arms[i].scan_tc ? "tensor cores" : "SIMT");
     }
+    if (arms[i].prep == GdrCorePrep::kKernel &&
+        kernels::chunk_prep_last_used_tensor_cores() != arms[i].prep_tc) {
+      std::fprintf(stderr, "gdr_core_bench: the prep ran on %s, expected %s\n",
+                   arms[i].prep_tc ? "SIMT" : "tensor cores",
+                   arms[i].prep_tc ? "tensor cores" : "SIMT");
+    }
     t[i].forward_ms = median_ms(forward);
     t[i].forward_backward_ms = median_ms(forward_backward);
   }
@@ -140,6 +156,11 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   } else {
     unsetenv("GDR_CHUNK_SCAN_TC");
   }
+  if (prep_env) {
+    setenv("GDR_CHUNK_PREP_TC", saved_prep_env.c_str(), 1);
+  } else {
+    unsetenv("GDR_CHUNK_PREP_TC");
+  }
 
   const double f = forward_flops(B, T, H, dk, dv);
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
@@ -149,10 +170,13 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
         std::string(to_string(arms[i].impl)) + (arms[i].impl != GdrCoreImpl::kKernel ? ""
                                                 : arms[i].scan_tc                    ? " (tc)"
                                                                                      : " (simt)");
+    const std::string prep =
+        std::string(to_string(arms[i].prep)) +
+        (arms[i].prep == GdrCorePrep::kKernel && !arms[i].prep_tc ? " (simt)" : "");
     std::printf(
         "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
         static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
-        static_cast<long long>(dv), step7.c_str(), to_string(arms[i].prep), t[i].forward_ms,
+        static_cast<long long>(dv), step7.c_str(), prep.c_str(), t[i].forward_ms,
         base.forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms), t[i].forward_backward_ms,
         base.forward_backward_ms / t[i].forward_backward_ms,
         tflops(3 * f, t[i].forward_backward_ms));

@@ -4,28 +4,41 @@
 // kernels/gdr_chunk_prep.h.
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_prep_kernel.cuh"
 
 namespace gdr::kernels {
 namespace chunk_prep_detail {
 
+std::atomic<bool> g_last_used_tensor_cores{false};
+
+// Records the variant of a successful launch (chunk_prep_last_used_tensor_cores).
+int record(int error, bool tensor_cores) {
+  if (error == static_cast<int>(cudaSuccess)) {
+    g_last_used_tensor_cores.store(tensor_cores, std::memory_order_relaxed);
+  }
+  return error;
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
 // Two blocks per SM (83 KiB of shared memory each at dk = 128): at most 128 registers.
-template <typename TQK, typename TV>
+// TC: the tensor-core variant (Note [Chunk prep on tensor cores]).
+template <typename TQK, typename TV, bool TC>
 __global__ void __launch_bounds__(kThreads, 2)
     chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_forward_block<TQK, TV>(args, smem);
+  chunk_prep_forward_block<TQK, TV, TC>(args, smem);
 }
 
-template <typename TQK, typename TV, int DK>
+template <typename TQK, typename TV, int DK, bool TC>
 __global__ void __launch_bounds__(kThreads)
     chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_backward_block<TQK, TV, DK>(args, smem);
+  chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem);
 }
 
 // ----------------------------------------------------------------------------
@@ -58,16 +71,28 @@ bool valid_shape(const ChunkPrepShape& s) {
          s.head_group >= 1 && s.heads % s.head_group == 0;
 }
 
-template <int DK>
+template <bool TC>
+int launch_forward_tc(const ChunkPrepForwardArgs& args, int64_t floats, CUstream_st* stream) {
+  const ChunkPrepShape& s = args.shape;
+  if (s.qk_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_forward_kernel<float, float, TC>, args, floats, stream);
+  }
+  if (s.v_input == ChunkPrepInput::kFloat) {
+    return launch(chunk_prep_forward_kernel<Bf16, float, TC>, args, floats, stream);
+  }
+  return launch(chunk_prep_forward_kernel<Bf16, Bf16, TC>, args, floats, stream);
+}
+
+template <int DK, bool TC>
 int launch_backward_dk(const ChunkPrepBackwardArgs& args, int64_t floats, CUstream_st* stream) {
   const ChunkPrepShape& s = args.shape;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_backward_kernel<float, float, DK>, args, floats, stream);
+    return launch(chunk_prep_backward_kernel<float, float, DK, TC>, args, floats, stream);
   }
   if (s.v_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_backward_kernel<Bf16, float, DK>, args, floats, stream);
+    return launch(chunk_prep_backward_kernel<Bf16, float, DK, TC>, args, floats, stream);
   }
-  return launch(chunk_prep_backward_kernel<Bf16, Bf16, DK>, args, floats, stream);
+  return launch(chunk_prep_backward_kernel<Bf16, Bf16, DK, TC>, args, floats, stream);
 }
 
 }  // namespace chunk_prep_detail
@@ -77,13 +102,10 @@ int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* str
   const ChunkPrepShape& s = args.shape;
   if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
-  if (s.qk_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_forward_kernel<float, float>, args, floats, stream);
-  }
-  if (s.v_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_forward_kernel<Bf16, float>, args, floats, stream);
-  }
-  return launch(chunk_prep_forward_kernel<Bf16, Bf16>, args, floats, stream);
+  const bool tc = chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores);
+  return record(tc ? launch_forward_tc<true>(args, floats, stream)
+                   : launch_forward_tc<false>(args, floats, stream),
+                tc);
 }
 
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream) {
@@ -91,11 +113,22 @@ int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* s
   const ChunkPrepShape& s = args.shape;
   if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
+  const bool tc = chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores);
   switch (s.dk) {
-    case 64: return launch_backward_dk<64>(args, floats, stream);
-    case 128: return launch_backward_dk<128>(args, floats, stream);
+    case 64:
+      return record(tc ? launch_backward_dk<64, true>(args, floats, stream)
+                       : launch_backward_dk<64, false>(args, floats, stream),
+                    tc);
+    case 128:
+      return record(tc ? launch_backward_dk<128, true>(args, floats, stream)
+                       : launch_backward_dk<128, false>(args, floats, stream),
+                    tc);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+
+bool chunk_prep_last_used_tensor_cores() {
+  return chunk_prep_detail::g_last_used_tensor_cores.load(std::memory_order_relaxed);
 }
 
 }  // namespace gdr::kernels

@@ -29,8 +29,10 @@
 // nearest even, as at::BFloat16 does. The chunk of the last (partial) chunk past T is
 // handled in the kernels: no padded copies. The launchers run on the stream they are
 // given. Results are deterministic: every block owns disjoint outputs (its chunk's rows),
-// every sum is one thread's fixed-order FP32 sum, no atomics (Note [Chunk prep
-// determinism] in kernels/gdr_chunk_prep_kernel.cuh).
+// every sum is one thread's fixed-order FP32 sum or, in the tensor-core variant's Gram
+// tiles, one warp's fixed sequence of 3xTF32 mma instructions, no atomics (Note [Chunk
+// prep determinism] and Note [Chunk prep on tensor cores] in
+// kernels/gdr_chunk_prep_kernel.cuh).
 #pragma once
 
 #include <cstdint>
@@ -98,7 +100,20 @@ struct ChunkPrepShape {
   bool l2_normalize_qk = false;  // q, k rows normalised on load (Note [Fused q/k L2 norm])
   ChunkPrepInput qk_input = ChunkPrepInput::kFloat;
   ChunkPrepInput v_input = ChunkPrepInput::kFloat;
+  // false: always the FP32 SIMT products (GDR_CHUNK_PREP_TC=0 in the op layer).
+  bool allow_tensor_cores = true;
 };
+
+// Whether the launchers run the tensor-core (3xTF32 mma.sync) variant of the kernels
+// (Note [Chunk prep on tensor cores] in kernels/gdr_chunk_prep_kernel.cuh) for these
+// shapes: a pure function of the shapes and the switch, so one shape always runs one
+// variant. Every supported shape has one (C = 64 and dk in {64, 128} split into whole
+// m16n8k8 tiles). The two variants round differently (both FP32-level), so their bits
+// differ; each is deterministic on its own.
+inline bool chunk_prep_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
+  (void)dv;  // the converted products contract over dk only
+  return allow_tensor_cores && (dk == 64 || dk == 128);
+}
 
 struct ChunkPrepForwardArgs {
   ChunkPrepShape shape;
@@ -143,8 +158,13 @@ struct ChunkPrepBackwardArgs {
 };
 
 // Return a cudaError_t as int (cudaSuccess = 0). Callers check chunk_prep_supports first;
-// unsupported shapes return cudaErrorInvalidValue without launching.
+// unsupported shapes return cudaErrorInvalidValue without launching. The variant is
+// chunk_prep_uses_tensor_cores(dk, dv, shape.allow_tensor_cores).
 int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream);
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream);
+
+// Whether the last successful chunk prep launch in this process ran the tensor-core variant
+// (for tests and benchmarks; relaxed, process-wide).
+bool chunk_prep_last_used_tensor_cores();
 
 }  // namespace gdr::kernels

@@ -3,9 +3,11 @@
 // __global__ kernel with dynamic shared memory, and by the CPU test
 // //tests/ops:gdr_chunk_prep_kernel_emulation_test, which supplies host stand-ins for the
 // CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
-// NOTE: keep this file free of includes and of CUDA APIs beyond __device__,
-// __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, __float_as_uint,
-// expf, fmaf and rsqrtf: the emulation test defines exactly those.
+// NOTE: keep this file free of includes (besides kernels/mma_tf32.cuh) and of CUDA APIs
+// beyond __device__, __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float,
+// __float_as_uint, expf, fmaf and rsqrtf, and of the tensor-core primitives of
+// kernels/mma_tf32.cuh: the emulation test defines exactly those (the primitives with
+// GDR_MMA_TF32_HOST_HELPERS and tests/ops/emulated_mma_tf32.h).
 //
 // Note [Chunk prep determinism]
 // One block owns one (batch, value head, chunk) and writes only that chunk's rows of every
@@ -23,7 +25,12 @@
 // order; the fused L2 norm's sums of squares are one thread per row, columns in order,
 // and its backward's row dots sixteen per-thread partials added in thread order by every
 // thread of the row (Note [Fused q/k L2 norm]); the cumsums are one thread's sequential
-// loop. The same inputs therefore give the same bits on every run, stream and load.
+// loop. In the tensor-core variant (Note [Chunk prep on tensor cores]) the converted
+// products' elements are each one warp's fixed sequence of 3xTF32 mma instructions
+// (every warp owns whole 16 x 8 output tiles and contracts the full depth itself: no
+// cross-warp reduction), whose internal order the hardware fixes. The same inputs
+// therefore give the same bits on every run, stream and load, in each variant (the two
+// variants' bits differ from each other).
 //
 // Note [Fused q/k L2 norm]
 // With l2_normalize_qk the kernels read q and k un-normalised (the causal conv's output,
@@ -41,9 +48,35 @@
 // same value since xn = x r, without r^3, which underflows for large rows). xn of k is
 // K itself (shared memory); xn of q is recomputed from q reloaded from global memory
 // (shared memory holds scale * xn, and dividing by scale would add a rounding).
+//
+// Note [Chunk prep on tensor cores]
+// With TC (the template parameter of the bodies; the launchers pick it with
+// chunk_prep_uses_tensor_cores, GDR_CHUNK_PREP_TC=0 in the op layer turns it off) the
+// Gram tiles K K^T and Q K^T (C x C outputs contracting over dk; forward and backward
+// phase 1) and the backward's dM = -dR X^T (phase 3: C x C contracting over dv + dk,
+// X = [U | W] streamed through the slab buffer) run as warp-level mma.sync m16n8k8 TF32
+// with the 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level
+// accuracy). Only the lower triangle is
+// used: of the 4 x 8 grid of 16 x 8 tiles per product, the 20 with column block
+// cb < 2 rb + 2 touch it, 40 tiles for both products, 5 per warp (warp w takes tiles
+// w, w + 8, ..); each warp owns whole tiles and sums all of dk itself in increasing k.
+// The fragments read K and Q straight from their shared rows (pitch dk + 4 = 4 mod 32:
+// A[r][k] = rows[16 rb + r][k] and B[k][n] = K[8 cb + n][k] both hit bank 4 g + t, so the
+// loads are conflict-free). In phase 3 warp w owns lower tiles w, w + 8, w + 16 (< 20) of
+// dM and keeps their accumulators across the slabs, c increasing. The tiles wholly above
+// the diagonal are not computed; the consumers get 0 there, as in the SIMT products. All
+// other products (the triangular solves, dK / dQ, the row sums) are the FP32 SIMT code
+// either way. Not converted yet: phase 6 (dK, dQ: three C x C by C x dk products, the
+// largest remaining, ~3 MFLOP per block at dk = 128). Its results feed the fused L2
+// norm's row dots and the stores in the SIMT (tr, tc) register layout, and a warp's share
+// of both C x dk outputs as 3xTF32 accumulators (16 tiles x 12 floats at dk = 128) is over
+// the register budget, so it needs column passes with the products staged in shared
+// memory (none is free at dk = dv = 128 without reusing kl / pm) and a fixed-order
+// cross-warp row dot. The solves are sequential in the row index and stay SIMT.
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
+#include "kernels/mma_tf32.cuh"
 
 namespace gdr::kernels::chunk_prep_detail {
 
@@ -300,6 +333,73 @@ __device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const f
   }
 }
 
+// The 16 x 8 tiles of a C x C product that touch its lower triangle (i >= j): of the
+// 4 x 8 grid, row block rb holds column blocks cb = 0 .. 2 rb + 1, 20 tiles in all,
+// numbered row block by row block. Tiles with cb >= 2 rb + 2 lie wholly above the diagonal.
+constexpr int kLowerTiles = 20;
+__device__ __forceinline__ void lower_tile(int x, int& rb, int& cb) {
+  rb = 0;
+  while (x >= 2 * rb + 2) {
+    x -= 2 * rb + 2;
+    ++rb;
+  }
+  cb = x;
+}
+__device__ __forceinline__ bool above_lower_tiles(int i, int j) {
+  return j / 8 >= 2 * (i / 16) + 2;
+}
+
+// The tensor-core Gram tiles (Note [Chunk prep on tensor cores]): calls kk_out(i, j, x)
+// with x = (K K^T)_ij and qk_out(i, j, x) with x = (Q K^T)_ij once for every element of
+// the C x C products, 0 for the tiles wholly above the diagonal (x = 0 there, as the SIMT
+// tiles leave it). Every call comes from the one thread that owns the element; no barrier.
+template <typename KkOut, typename QkOut>
+__device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, const float* ks,
+                                              int k_pitch, int dk, const KkOut& kk_out,
+                                              const QkOut& qk_out) {
+  using namespace mma_tf32;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kC == 64 && (2 * kLowerTiles) % kWarps == 0, "whole tiles per warp");
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  for (int x = warp; x < 2 * kLowerTiles; x += kWarps) {
+    const bool is_qk = x >= kLowerTiles;
+    int rb, cb;
+    lower_tile(x % kLowerTiles, rb, cb);
+    const float* a_rows = (is_qk ? qs + (16 * rb + g) * q_pitch : ks + (16 * rb + g) * k_pitch) + t;
+    const int a_pitch = is_qk ? q_pitch : k_pitch;
+    const float* b_rows = ks + (8 * cb + g) * k_pitch + t;
+    Acc3 acc;
+    zero(acc);
+#pragma unroll 4
+    for (int k0 = 0; k0 < dk; k0 += 8) {
+      uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
+      split_tf32(a_rows[k0], a_big[0], a_small[0]);
+      split_tf32(a_rows[8 * a_pitch + k0], a_big[1], a_small[1]);
+      split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
+      split_tf32(a_rows[8 * a_pitch + k0 + 4], a_big[3], a_small[3]);
+      split_tf32(b_rows[k0], b_big[0], b_small[0]);
+      split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
+      mma_3xtf32(acc, a_big, a_small, b_big, b_small);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
+      if (is_qk) {
+        qk_out(i, j, total(acc, e));
+      } else {
+        kk_out(i, j, total(acc, e));
+      }
+    }
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e % kC;
+    if (above_lower_tiles(i, j)) {
+      kk_out(i, j, 0.0f);
+      qk_out(i, j, 0.0f);
+    }
+  }
+}
+
 // Note [Register-resident substitution]
 // The triangular solves run one thread per column of the right-hand side, as before, but
 // the column lives in registers (x[C], every index a compile-time constant once the loops
@@ -364,7 +464,7 @@ __device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC])
 // [beta V | beta K exp(G)] (V straight from global memory, coalesced across the warp),
 // then row i is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the
 // substitution needs no barrier at all.
-template <typename TQK, typename TV>
+template <typename TQK, typename TV, bool TC>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
@@ -386,17 +486,25 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   if (s.l2_normalize_qk) normalize_qk(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
 
-  float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-  gram_tiles(qs, kp, ks, kp, dk, kk, qk);
-  const int ti = tid / kSide, tj = tid % kSide;
   float* p = args.p + place.block * kC * kC;
-  for (int a = 0; a < kTileRows; ++a) {
-    for (int b = 0; b < kTileRows; ++b) {
-      const int i = ti + kSide * a, j = tj + kSide * b;
-      // exp only where i >= j: above the diagonal G_i - G_j > 0 could overflow.
-      const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-      ms[i * kC + j] = i > j ? bs[i] * (kk[a][b] * l) : 0.0f;
-      p[i * kC + j] = qk[a][b] * l;
+  // exp only where i >= j: above the diagonal G_i - G_j > 0 could overflow.
+  auto decay = [&](int i, int j) { return i >= j ? expf(gs[i] - gs[j]) : 0.0f; };
+  auto m_out = [&](int i, int j, float kk) {
+    ms[i * kC + j] = i > j ? bs[i] * (kk * decay(i, j)) : 0.0f;
+  };
+  auto p_out = [&](int i, int j, float qk) { p[i * kC + j] = qk * decay(i, j); };
+  if constexpr (TC) {
+    gram_tiles_tc(qs, kp, ks, kp, dk, m_out, p_out);
+  } else {
+    float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
+    gram_tiles(qs, kp, ks, kp, dk, kk, qk);
+    const int ti = tid / kSide, tj = tid % kSide;
+    for (int a = 0; a < kTileRows; ++a) {
+      for (int b = 0; b < kTileRows; ++b) {
+        const int i = ti + kSide * a, j = tj + kSide * b;
+        m_out(i, j, kk[a][b]);
+        p_out(i, j, qk[a][b]);
+      }
     }
   }
   const float g_last = gs[kC - 1];
@@ -452,7 +560,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // G_last terms and runs the reverse cumsum into dg); 6 dk, dq as register tiles (4 rows x
 // DK/16 columns per thread; with the fused L2 norm, mapped back through it with one more
 // barrier for the row dots), and dv.
-template <typename TQK, typename TV, int DK>
+template <typename TQK, typename TV, int DK, bool TC>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dv = s.dv, cols = dv + DK;
@@ -485,17 +593,25 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 1.
   {
-    float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-    gram_tiles(qs, kp, ks, kp, DK, kk, qk);
-    const int ti = tid / kSide, tj = tid % kSide;
-    for (int a = 0; a < kTileRows; ++a) {
-      for (int b = 0; b < kTileRows; ++b) {
-        const int i = ti + kSide * a, j = tj + kSide * b;
-        const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-        const float klv = i > j ? kk[a][b] * l : 0.0f;
-        kl[i * mp + j] = klv;
-        d1[j * kC + i] = bs[i] * klv;  // M^T: M_ij = beta_i kl_ij
-        pm[i * mp + j] = qk[a][b] * l;
+    auto decay = [&](int i, int j) { return i >= j ? expf(gs[i] - gs[j]) : 0.0f; };
+    auto kl_out = [&](int i, int j, float kk) {
+      const float klv = i > j ? kk * decay(i, j) : 0.0f;
+      kl[i * mp + j] = klv;
+      d1[j * kC + i] = bs[i] * klv;  // M^T: M_ij = beta_i kl_ij
+    };
+    auto p_out = [&](int i, int j, float qk) { pm[i * mp + j] = qk * decay(i, j); };
+    if constexpr (TC) {
+      gram_tiles_tc(qs, kp, ks, kp, DK, kl_out, p_out);
+    } else {
+      float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
+      gram_tiles(qs, kp, ks, kp, DK, kk, qk);
+      const int ti = tid / kSide, tj = tid % kSide;
+      for (int a = 0; a < kTileRows; ++a) {
+        for (int b = 0; b < kTileRows; ++b) {
+          const int i = ti + kSide * a, j = tj + kSide * b;
+          kl_out(i, j, kk[a][b]);
+          p_out(i, j, qk[a][b]);
+        }
       }
     }
   }
@@ -538,6 +654,17 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
                             : args.w[chunk_dk + j * DK + c - dv];
       }
     };
+    // Tensor-core variant (Note [Chunk prep on tensor cores]): warp w owns the lower
+    // tiles w, w + 8, w + 16 (< 20) of dM and keeps their 3xTF32 accumulators across the
+    // slabs, each walking c in increasing order. A[r][k] = dR[16 rb + r][c0 + k] (rs, pitch
+    // dv + dk + 4 = 4 or 20 mod 32: banks 4 g + t or 20 g + t, distinct over the warp),
+    // B[k][n] = X[8 cb + n][k] (xs, pitch 36: bank 4 g + t). Conflict-free loads.
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kTcTiles = (kLowerTiles + kWarps - 1) / kWarps;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    mma_tf32::Acc3 tc_acc[kTcTiles];
+#pragma unroll
+    for (int u = 0; u < kTcTiles; ++u) mma_tf32::zero(tc_acc[u]);
     fetch_slab(0);
     for (int c0 = 0; c0 < cols; c0 += kSlab) {
       const int width = cols - c0 < kSlab ? cols - c0 : kSlab;
@@ -548,28 +675,70 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
       __syncthreads();
       if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
-      for (int cc = 0; cc < width; cc += 4) {
-        Vec4 dr[kTileRows], x[kTileRows];
+      if constexpr (TC) {
+        using namespace mma_tf32;
 #pragma unroll
-        for (int a = 0; a < kTileRows; ++a) {
-          dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
-          x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
+        for (int u = 0; u < kTcTiles; ++u) {
+          const int x = warp + kWarps * u;
+          if (x >= kLowerTiles) continue;
+          int rb, cb;
+          lower_tile(x, rb, cb);
+          const float* a_rows = rs + (16 * rb + g) * rp + c0 + t;
+          const float* b_rows = xs + (8 * cb + g) * xp + t;
+          for (int k0 = 0; k0 < width; k0 += 8) {
+            uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
+            split_tf32(a_rows[k0], a_big[0], a_small[0]);
+            split_tf32(a_rows[8 * rp + k0], a_big[1], a_small[1]);
+            split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
+            split_tf32(a_rows[8 * rp + k0 + 4], a_big[3], a_small[3]);
+            split_tf32(b_rows[k0], b_big[0], b_small[0]);
+            split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
+            mma_3xtf32(tc_acc[u], a_big, a_small, b_big, b_small);
+          }
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
+      } else {
+        for (int cc = 0; cc < width; cc += 4) {
+          Vec4 dr[kTileRows], x[kTileRows];
 #pragma unroll
           for (int a = 0; a < kTileRows; ++a) {
+            dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
+            x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
+          }
 #pragma unroll
-            for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+          for (int u = 0; u < 4; ++u) {
+#pragma unroll
+            for (int a = 0; a < kTileRows; ++a) {
+#pragma unroll
+              for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+            }
           }
         }
       }
       __syncthreads();
     }
-    for (int a = 0; a < kTileRows; ++a) {
-      for (int b = 0; b < kTileRows; ++b) {
-        const int i = ti + kSide * a, j = tj + kSide * b;
-        d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
+    if constexpr (TC) {
+#pragma unroll
+      for (int u = 0; u < kTcTiles; ++u) {
+        const int x = warp + kWarps * u;
+        if (x >= kLowerTiles) continue;
+        int rb, cb;
+        lower_tile(x, rb, cb);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
+          d1[i * mp + j] = i > j ? -mma_tf32::total(tc_acc[u], e) : 0.0f;
+        }
+      }
+      for (int e = tid; e < kC * kC; e += kThreads) {
+        const int i = e / kC, j = e % kC;
+        if (above_lower_tiles(i, j)) d1[i * mp + j] = 0.0f;
+      }
+    } else {
+      for (int a = 0; a < kTileRows; ++a) {
+        for (int b = 0; b < kTileRows; ++b) {
+          const int i = ti + kSide * a, j = tj + kSide * b;
+          d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
+        }
       }
     }
   }

@@ -4,27 +4,23 @@
 // applies). Included by kernels/gdr_chunk_state.cu, and by the CPU test
 // //tests/ops:gdr_chunk_state_kernel_emulation_test, which runs this very code with one
 // host thread per CUDA thread.
-// NOTE: keep this file free of other includes and of CUDA APIs beyond __global__,
-// __device__, __forceinline__, __launch_bounds__, __syncthreads, threadIdx, blockIdx, fmaf
-// and expf, and of the helpers below (tf32_round, tf32_as_float, mma_m16n8k8_tf32,
-// cp_async_16, cp_async_4, cp_async_wait_all, chunk_state_tc_shared): the emulation test
-// defines the built-ins, defines
-// GDR_CHUNK_STATE_TC_HOST_HELPERS and supplies host stand-ins for the helpers (the mma as
-// a warp-collective exchange through a per-warp scratch and barrier).
+// NOTE: keep this file free of other includes (besides kernels/mma_tf32.cuh) and of CUDA
+// APIs beyond __global__, __device__, __forceinline__, __launch_bounds__, __syncthreads,
+// threadIdx, blockIdx, fmaf and expf, and of the helpers below and in kernels/mma_tf32.cuh
+// (tf32_round, tf32_as_float, mma_m16n8k8_tf32, cp_async_16, cp_async_4,
+// cp_async_wait_all, chunk_state_tc_shared): the emulation test defines the built-ins,
+// defines GDR_CHUNK_STATE_TC_HOST_HELPERS (which implies GDR_MMA_TF32_HOST_HELPERS) and
+// supplies host stand-ins for the helpers (the mma as a warp-collective exchange through a
+// per-warp scratch and barrier).
 //
 // Note [Chunk state scan on tensor cores (3xTF32)]
 // Both per-chunk products, R = left @ X ([64 x dk] @ [dk x 16]) and
 // U = right^T @ R ([dk x 64] @ [64 x 16]), run as warp-level mma.sync m16n8k8 TF32 with
-// FP32 accumulation. TF32 keeps 10 mantissa bits, so each FP32 operand x is split into
-// big = tf32(x) (cvt.rna) and small = tf32(x - big) (x - big is exact in FP32), and a
-// product a * b is taken as a_big b_big + a_big b_small + a_small b_big (the dropped
-// a_small b_small and the rounding of small are ~2^-22 relative): FP32-level accuracy.
-// Per output tile a warp keeps three FP32 accumulators, `big` (a_big b_big), `lo_a`
-// (a_small b_big) and `lo_b` (a_big b_small), each walking k in increasing order (three
-// independent mma chains, so the chain is DK / 8 mma long, not 3 DK / 8), and adds them
-// once at the end as big + (lo_a + lo_b): every output element is one warp's fixed
-// sequence of mma instructions on fixed inputs, whose internal order the hardware fixes,
-// so the bits do not depend on scheduling.
+// FP32 accumulation, each FP32 operand split into big and small TF32 parts and three
+// accumulators per output tile (Note [3xTF32 products] in kernels/mma_tf32.cuh; the three
+// chains are independent, so the chain is DK / 8 mma long, not 3 DK / 8): FP32-level
+// accuracy, and every output element is one warp's fixed sequence of mma instructions on
+// fixed inputs, so the bits do not depend on scheduling.
 //
 // Block: one (batch*head, 16-column dv tile), 256 threads = 8 warps, the same grid and
 // dv tiles as the SIMT kernel (128 blocks at B=1, H=16, dv=128). Work split, no
@@ -68,34 +64,20 @@
 
 #include "kernels/gdr_chunk_state.h"
 
+#ifdef GDR_CHUNK_STATE_TC_HOST_HELPERS
+#define GDR_MMA_TF32_HOST_HELPERS
+#endif
+#include "kernels/mma_tf32.cuh"
+
 namespace gdr::kernels::chunk_state_tc_detail {
 
+using mma_tf32::Acc3;
+using mma_tf32::mma_3xtf32;
+using mma_tf32::split_tf32;
+using mma_tf32::total;
+using mma_tf32::zero;
+
 #ifndef GDR_CHUNK_STATE_TC_HOST_HELPERS
-// TF32 bits of x, rounded to nearest with ties away from zero (cvt.rna), low 13 bits 0.
-__device__ __forceinline__ uint32_t tf32_round(float x) {
-  uint32_t bits = 0;
-#if defined(__CUDA_ARCH__)
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-#endif
-  return bits & 0xffffe000u;  // the mma ignores them; x - big below needs them zero
-}
-
-__device__ __forceinline__ float tf32_as_float(uint32_t bits) { return __uint_as_float(bits); }
-
-// d += a @ b for one warp: a 16 x 8 (row), b 8 x 8 (col), d 16 x 8, FP32 accumulate.
-// Fragments (g = lane / 4, t = lane % 4): a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
-// a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; d0 = D[g][2t], d1 = D[g][2t+1],
-// d2 = D[g+8][2t], d3 = D[g+8][2t+1].
-__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],
-                                                 const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__)
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
 // Asynchronous global -> shared copies (sm_80+ cp.async, no registers involved) of 16
 // bytes (both addresses 16-byte aligned) or 4 bytes, and the wait for all of this thread's
 // copies; a __syncthreads after the wait makes them visible to the block.
@@ -165,12 +147,6 @@ struct TcLayout {
   static_assert(kFloats - kX == kRest && kBytes <= kMaxSharedBytes, "layout");
 };
 
-// One operand's big / small TF32 parts.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
-  big = tf32_round(x);
-  small = tf32_round(x - tf32_as_float(big));
-}
-
 // x's split into the big / small planes at word `at`.
 __device__ __forceinline__ void put_split(uint32_t* big_plane, uint32_t* small_plane, int at,
                                           float x) {
@@ -183,30 +159,6 @@ __device__ __forceinline__ void load_u32x2(const uint32_t* plane, int at, uint32
   const U32x2 v = *reinterpret_cast<const U32x2*>(plane + at);
   lo = v.lo;
   hi = v.hi;
-}
-
-// The three accumulators of one 16 x 8 output tile (Note above).
-struct Acc3 {
-  float big[4], lo_a[4], lo_b[4];
-};
-
-__device__ __forceinline__ void zero(Acc3& acc) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) acc.big[e] = acc.lo_a[e] = acc.lo_b[e] = 0.0f;
-}
-
-// The 3xTF32 step of one k-slice (Note above).
-__device__ __forceinline__ void mma_3xtf32(Acc3& acc, const uint32_t (&a_big)[4],
-                                           const uint32_t (&a_small)[4], const uint32_t (&b_big)[2],
-                                           const uint32_t (&b_small)[2]) {
-  mma_m16n8k8_tf32(acc.lo_a, a_small, b_big);
-  mma_m16n8k8_tf32(acc.lo_b, a_big, b_small);
-  mma_m16n8k8_tf32(acc.big, a_big, b_big);
-}
-
-// Element e of the tile's product.
-__device__ __forceinline__ float total(const Acc3& acc, int e) {
-  return acc.big[e] + (acc.lo_a[e] + acc.lo_b[e]);
 }
 
 // ----------------------------------------------------------------------------

@@ -31,20 +31,23 @@ void check_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
-// GDR_CHUNK_SCAN_TC=0 selects the FP32 SIMT scan kernel; unset, empty or 1 the
-// tensor-core (3xTF32) kernel where it applies (kernels/gdr_chunk_state.h); any other
-// value is an error naming the variable (a typo must not silently pick a kernel). Read on
-// every call, so a process can A/B the two (setenv between calls; a captured CUDA graph
-// keeps the kernel it captured).
-bool scan_tensor_cores_allowed() {
-  const char* value = std::getenv("GDR_CHUNK_SCAN_TC");
+// A kernel-variant switch read from the environment on every call (so a process can A/B
+// the variants with setenv between calls; a captured CUDA graph keeps the kernels it
+// captured): unset, empty or 1 allows the tensor-core (3xTF32) kernels where they apply,
+// 0 selects the FP32 SIMT kernels, and any other value is an error naming the variable (a
+// typo must not silently pick a kernel).
+bool tensor_cores_allowed_by(const char* variable, const char* simt_kernels) {
+  const char* value = std::getenv(variable);
   if (value == nullptr || value[0] == '\0') return true;
   const std::string_view v(value);
-  TORCH_CHECK(v == "0" || v == "1",
-              "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
-              "default) but got '",
-              v, "'");
+  TORCH_CHECK(v == "0" || v == "1", variable, ": expected 0 (", simt_kernels,
+              ") or 1 (tensor cores, the default) but got '", v, "'");
   return v == "1";
+}
+
+// GDR_CHUNK_SCAN_TC: the chunk scan (kernels/gdr_chunk_state.h).
+bool scan_tensor_cores_allowed() {
+  return tensor_cores_allowed_by("GDR_CHUNK_SCAN_TC", "the FP32 SIMT scan");
 }
 
 // The scan on the current stream of the inputs' device, launch errors raised here.
@@ -90,6 +93,19 @@ void check_prep_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
+// GDR_CHUNK_PREP_TC: the chunk prep's Gram and dM products (chunk_prep_uses_tensor_cores
+// in kernels/gdr_chunk_prep.h).
+bool prep_tensor_cores_allowed() {
+  return tensor_cores_allowed_by("GDR_CHUNK_PREP_TC", "the FP32 SIMT prep kernels");
+}
+
+template <typename Args>
+Args with_prep_variant(const Args& args) {
+  Args chosen = args;
+  chosen.shape.allow_tensor_cores = args.shape.allow_tensor_cores && prep_tensor_cores_allowed();
+  return chosen;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -98,9 +114,9 @@ chunk_prep_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return chunk_prep_internal::forward_via_kernel(
       q, k, v, g, beta, scale, chunk_size, l2_normalize_qk,
       [](const kernels::ChunkPrepForwardArgs& args) {
-        check_prep_launch(
-            kernels::launch_chunk_prep_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
-            "forward kernel");
+        check_prep_launch(kernels::launch_chunk_prep_forward(
+                              with_prep_variant(args), c10::cuda::getCurrentCUDAStream().stream()),
+                          "forward kernel");
       });
 }
 
@@ -115,9 +131,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
   return chunk_prep_internal::backward_via_kernel(
       grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g, beta, u, w, scale,
       chunk_size, l2_normalize_qk, [](const kernels::ChunkPrepBackwardArgs& args) {
-        check_prep_launch(
-            kernels::launch_chunk_prep_backward(args, c10::cuda::getCurrentCUDAStream().stream()),
-            "backward kernel");
+        check_prep_launch(kernels::launch_chunk_prep_backward(
+                              with_prep_variant(args), c10::cuda::getCurrentCUDAStream().stream()),
+                          "backward kernel");
       });
 }
 

@@ -11,7 +11,9 @@
 // heads, H = Hk, 2 Hk, 4 Hk, read in place as slices of a conv-output row; FP32 or BF16
 // v): the op against the CPU FP64 reference op, the core with GdrQkNorm::kL2 through the
 // prep kernel against the ATen composite (normalise + repeat + steps 1-6) and FP64, and
-// 100 bit-exact replays under load.
+// 100 bit-exact replays under load. Both prep variants, tensor-core Gram tiles (3xTF32, the
+// default) and FP32 SIMT (GDR_CHUNK_PREP_TC=0), against the same FP64 reference and each
+// other, and each replayed bit-exactly under load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -30,7 +32,9 @@
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_core.h"
 #include "tests/ops/bitwise_equal.h"
+#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
+#include "tests/ops/scoped_env.h"
 
 namespace gdr {
 namespace {
@@ -128,6 +132,92 @@ TEST(ChunkPrepGpu, ForwardAndBackwardMatchTheFp64CpuReference) {
   }
 }
 
+// Selects the prep kernels for its lifetime ("1" tensor cores, "0" SIMT, or a value the op
+// refuses).
+class ScopedPrepVariant : public test_support::ScopedEnv {
+ public:
+  explicit ScopedPrepVariant(bool tensor_cores) : ScopedPrepVariant(tensor_cores ? "1" : "0") {}
+  explicit ScopedPrepVariant(const char* value) : ScopedEnv("GDR_CHUNK_PREP_TC", value) {}
+};
+
+const char* prep_variant_name(bool tensor_cores) {
+  return tensor_cores ? "tensor-core prep" : "SIMT prep";
+}
+
+TEST(ChunkPrepGpu, TensorCoreAndSimtPrepBothMatchTheFp64CpuReference) {
+  const std::vector<OpCase> cases = {
+      {1, 2048, 4, 128, 128, at::kFloat},
+      {2, 200, 3, 64, 128, at::kFloat},
+      {1, 130, 2, 128, 64, at::kFloat},
+      {1, 2085, 2, 128, 128, at::kBFloat16},
+  };
+  for (const OpCase& c : cases) {
+    const bool bf16 = c.dtype == at::kBFloat16;
+    const std::string context = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " H" +
+                                std::to_string(c.H) + " dk" + std::to_string(c.dk) + " dv" +
+                                std::to_string(c.dv) + (bf16 ? " bf16" : " fp32");
+    const Inputs x = make_inputs(c.B, c.T, c.H, c.dk, c.dv, false, c.dtype, 31 + c.T);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+    const std::vector<at::Tensor> up = make_upstream(x, kCuda.dtype(at::kFloat));
+    std::vector<at::Tensor> up64;
+    for (const at::Tensor& t : up) up64.push_back(cpu64(t));
+    const Results ref =
+        run_op({cpu64(x.q), cpu64(x.k), cpu64(x.v), cpu64(x.g), cpu64(x.beta), {}}, scale, up64);
+    Results got[2];
+    for (const bool tc : {true, false}) {
+      const ScopedPrepVariant variant(tc);
+      got[tc] = run_op(x, scale, up);
+      EXPECT_EQ(kernels::chunk_prep_last_used_tensor_cores(), tc)
+          << context << " " << prep_variant_name(tc) << " did not run";
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_EQ(got[tc][i].sizes(), ref[i].sizes()) << context << " " << kOpNames[i];
+        // Both FP32-level (3xTF32 or FP32 FMAs) against FP64: the bounds of the test above.
+        const bool bf16_grad = bf16 && i >= 6 && i <= 8;
+        const double err = relative_error(got[tc][i], ref[i]);
+        std::printf("%s %s %s: %.2e\n", context.c_str(), prep_variant_name(tc), kOpNames[i], err);
+        EXPECT_LE(err, bf16_grad ? 8e-3 : 1e-4)
+            << context << " " << prep_variant_name(tc) << " " << kOpNames[i];
+      }
+    }
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const bool bf16_grad = bf16 && i >= 6 && i <= 8;
+      EXPECT_LE(relative_error(got[true][i], got[false][i]), bf16_grad ? 8e-3 : 1e-4)
+          << context << " tensor-core vs SIMT prep " << kOpNames[i];
+    }
+  }
+}
+
+TEST(ChunkPrepGpu, EachPrepVariantReplaysBitwiseWhileAnotherStreamLoadsTheGpu) {
+  // The training shape of one Qwen3.5-0.8B GDN layer (B=1, T=2048, H=16, dk = dv = 128), BF16.
+  const Inputs x = make_inputs(1, 2048, 16, 128, 128, false, at::kBFloat16, 98);
+  const std::vector<at::Tensor> up = make_upstream(x, kCuda.dtype(at::kFloat));
+  for (const bool tc : {true, false}) {
+    const ScopedPrepVariant variant(tc);
+    const Results first = run_op(x, 0.088, up);
+    EXPECT_EQ(kernels::chunk_prep_last_used_tensor_cores(), tc) << prep_variant_name(tc);
+    std::optional<test_support::GpuContention> load(std::in_place);
+    int mismatches = 0;
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    for (int replay = 0; replay < 50; ++replay) {
+      Results again;
+      if (replay % 2 == 0) {
+        again = run_op(x, 0.088, up);
+      } else {  // every other replay on a side stream
+        c10::cuda::getCurrentCUDAStream().synchronize();
+        c10::cuda::CUDAStreamGuard guard(side);
+        again = run_op(x, 0.088, up);
+        side.synchronize();
+      }
+      for (size_t i = 0; i < again.size(); ++i) {
+        mismatches += bitwise_equal(again[i], first[i]) ? 0 : 1;
+      }
+    }
+    load.reset();
+    EXPECT_EQ(mismatches, 0) << prep_variant_name(tc)
+                             << ": the chunk prep op must give identical bits on every replay";
+  }
+}
+
 TEST(ChunkPrepGpu, SideStreamGivesTheDefaultStreamBits) {
   const Inputs x = make_inputs(1, 300, 4, 128, 128, false, at::kBFloat16, 5);
   const std::vector<at::Tensor> up = make_upstream(x, kCuda.dtype(at::kFloat));
@@ -155,6 +245,14 @@ TEST(ChunkPrepGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
               "chunk_prep: the CUDA implementation expects dk in {64, 128} and dv a multiple of "
               "16 within the shared-memory limit (dv <= 208 at dk = 128) but got dk = 32, dv = 64");
   }
+}
+
+TEST(ChunkPrepGpu, AnUnknownPrepKernelSettingIsRefusedNamingTheVariable) {
+  const Inputs x = make_inputs(1, 100, 1, 128, 64, false, at::kFloat, 1);
+  ScopedPrepVariant unknown("tc");
+  EXPECT_EQ(test_support::error_of([&] { chunk_prep(x.q, x.k, x.v, x.g, x.beta, 1.0, 64); }),
+            "GDR_CHUNK_PREP_TC: expected 0 (the FP32 SIMT prep kernels) or 1 (tensor cores, the "
+            "default) but got 'tc'");
 }
 
 // ---------------------------------------------------------------------------

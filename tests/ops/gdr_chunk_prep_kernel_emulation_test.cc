@@ -30,13 +30,12 @@
 #include "ops/gdr_core.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (and nothing else; see the
-// NOTE in the .cuh).
-struct EmulatedIndex {
-  unsigned x = 0, y = 0, z = 0;
-};
-thread_local EmulatedIndex threadIdx, blockIdx;
-pthread_barrier_t g_block_barrier;
-void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
+// NOTE in the .cuh): threadIdx, blockIdx, __syncthreads and the per-warp barriers from
+// tests/ops/emulated_cuda.h, the tensor-core primitives (cvt.rna.tf32, the warp-collective
+// mma.sync m16n8k8, counted in g_mma_count) from tests/ops/emulated_mma_tf32.h.
+#include "tests/ops/emulated_cuda.h"
+#include "tests/ops/emulated_mma_tf32.h"
+
 float __uint_as_float(unsigned bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -53,7 +52,9 @@ float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 #define __device__
 #define __forceinline__ inline
+#define GDR_MMA_TF32_HOST_HELPERS
 #include "kernels/gdr_chunk_prep_kernel.cuh"
+#undef GDR_MMA_TF32_HOST_HELPERS
 #undef __device__
 #undef __forceinline__
 
@@ -72,6 +73,9 @@ void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
   // dynamic shared memory is at least 16-byte aligned); the host buffer must match.
   ASSERT_EQ(reinterpret_cast<uintptr_t>(smem.data()) % 16, 0u);
   pthread_barrier_init(&g_block_barrier, nullptr, kChunkPrepThreads);
+  constexpr int kWarps = kChunkPrepThreads / 32;
+  static_assert(kWarps <= kMaxWarps, "one emulated warp barrier per warp");
+  for (int w = 0; w < kWarps; ++w) pthread_barrier_init(&g_warp_barrier[w], nullptr, 32);
   for (int64_t b = 0; b < blocks; ++b) {
     std::fill(smem.begin(), smem.end(), NAN);
     std::vector<std::thread> threads;
@@ -84,43 +88,64 @@ void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
     }
     for (std::thread& thread : threads) thread.join();
   }
+  for (int w = 0; w < kWarps; ++w) pthread_barrier_destroy(&g_warp_barrier[w]);
   pthread_barrier_destroy(&g_block_barrier);
 }
 
-// The launchers' dispatch (kernels/gdr_chunk_prep.cu) over the (q / k, v) type pairs.
-void emulate_forward(const ChunkPrepForwardArgs& args) {
+// The variant the emulated launches may use, as GDR_CHUNK_PREP_TC in the op layer: false
+// runs the FP32 SIMT products whatever args.shape.allow_tensor_cores says.
+bool g_allow_tensor_cores = true;
+
+// Whether the launchers would run the tensor-core variant for these args (the op layer's
+// switch applied first, as ops/gdr_core_cuda.cc does).
+bool emulated_tc(const ChunkPrepShape& s) {
+  return chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores && g_allow_tensor_cores);
+}
+
+// The launchers' dispatch (kernels/gdr_chunk_prep.cu) over the (q / k, v) type pairs and
+// the two variants.
+template <bool TC>
+void emulate_forward_tc(const ChunkPrepForwardArgs& args) {
   const ChunkPrepShape& s = args.shape;
   ASSERT_TRUE(chunk_prep_supports_inputs(s.qk_input, s.v_input));
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_forward_block<float, float>);
+    run_grid(args, floats, chunk_prep_forward_block<float, float, TC>);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_forward_block<Bf16, float>);
+    run_grid(args, floats, chunk_prep_forward_block<Bf16, float, TC>);
   } else {
-    run_grid(args, floats, chunk_prep_forward_block<Bf16, Bf16>);
+    run_grid(args, floats, chunk_prep_forward_block<Bf16, Bf16, TC>);
   }
 }
 
-template <int DK>
+void emulate_forward(const ChunkPrepForwardArgs& args) {
+  if (emulated_tc(args.shape)) return emulate_forward_tc<true>(args);
+  emulate_forward_tc<false>(args);
+}
+
+template <int DK, bool TC>
 void emulate_backward_dk(const ChunkPrepBackwardArgs& args) {
   const ChunkPrepShape& s = args.shape;
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_backward_block<float, float, DK>);
+    run_grid(args, floats, chunk_prep_backward_block<float, float, DK, TC>);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_backward_block<Bf16, float, DK>);
+    run_grid(args, floats, chunk_prep_backward_block<Bf16, float, DK, TC>);
   } else {
-    run_grid(args, floats, chunk_prep_backward_block<Bf16, Bf16, DK>);
+    run_grid(args, floats, chunk_prep_backward_block<Bf16, Bf16, DK, TC>);
   }
 }
 
 void emulate_backward(const ChunkPrepBackwardArgs& args) {
   ASSERT_TRUE(chunk_prep_supports(args.shape.dk, args.shape.dv));
   ASSERT_TRUE(chunk_prep_supports_inputs(args.shape.qk_input, args.shape.v_input));
-  if (args.shape.dk == 64) return emulate_backward_dk<64>(args);
-  emulate_backward_dk<128>(args);
+  const bool tc = emulated_tc(args.shape);
+  if (args.shape.dk == 64) {
+    return tc ? emulate_backward_dk<64, true>(args) : emulate_backward_dk<64, false>(args);
+  }
+  tc ? emulate_backward_dk<128, true>(args) : emulate_backward_dk<128, false>(args);
 }
 
 struct Case {
@@ -144,10 +169,31 @@ double relative_error(const at::Tensor& x, const at::Tensor& ref) {
          (r.abs().max().item<double>() + 1e-30);
 }
 
-class ChunkPrepKernelEmulation : public ::testing::TestWithParam<Case> {};
+// Sets g_allow_tensor_cores for its lifetime.
+class TensorCoresAllowed {
+ public:
+  explicit TensorCoresAllowed(bool allow) : previous_(g_allow_tensor_cores) {
+    g_allow_tensor_cores = allow;
+  }
+  ~TensorCoresAllowed() { g_allow_tensor_cores = previous_; }
+
+ private:
+  bool previous_;
+};
+
+// Every case runs both variants (the second parameter: tensor cores allowed), against the
+// same FP64 reference with the same bounds. The tensor-core variant's Gram tiles are
+// 3xTF32 (Note [3xTF32 products] in kernels/mma_tf32.cuh): each product within ~2^-21
+// relative of the exact one per term, the level of the FP32 SIMT sums (2^-24 per fmaf,
+// dk <= 128 terms), so the FP32-level bounds below hold for both; plain TF32 (~2^-11 =
+// 5e-4 relative per operand) is far outside them. g_mma_count proves which ran.
+class ChunkPrepKernelEmulation : public ::testing::TestWithParam<std::tuple<Case, bool>> {};
 
 TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
-  const Case c = GetParam();
+  const Case c = std::get<0>(GetParam());
+  const bool tc = std::get<1>(GetParam());
+  const TensorCoresAllowed allowed(tc);
+  g_mma_count = 0;
   at::manual_seed(c.T + c.dk + c.dv);
   at::Tensor q = at::randn({c.B, c.T, c.H, c.dk}), k = at::randn({c.B, c.T, c.H, c.dk});
   q = (q / q.norm(2, -1, true)).to(c.dtype);
@@ -181,6 +227,11 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
                                            std::get<3>(ref), std::get<4>(ref), std::get<5>(ref)};
   const std::vector<at::Tensor> got_out = {std::get<0>(got), std::get<1>(got), std::get<2>(got),
                                            std::get<3>(got), std::get<4>(got), std::get<5>(got)};
+  if (tc) {
+    EXPECT_GT(g_mma_count, 0) << "the tensor-core variant did not run";
+  } else {
+    EXPECT_EQ(g_mma_count, 0) << "the SIMT variant was asked for";
+  }
   const char* out_names[] = {"u", "w", "qd", "p", "kend", "g_last"};
   for (size_t i = 0; i < ref_out.size(); ++i) {
     ASSERT_EQ(got_out[i].sizes(), ref_out[i].sizes()) << out_names[i];
@@ -232,28 +283,30 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, ChunkPrepKernelEmulation,
-                         ::testing::Values(Case{1, 100, 2, 64, 32, at::kFloat, true},
-                                           Case{2, 64, 1, 64, 128, at::kFloat, false},
-                                           Case{1, 70, 1, 128, 64, at::kFloat, true},
-                                           Case{1, 130, 1, 128, 128, at::kBFloat16, true},
-                                           Case{1, 30, 2, 64, 48, at::kBFloat16, false},
-                                           Case{2, 70, 2, 64, 32, at::kFloat, true, true},
-                                           Case{2, 130, 1, 128, 64, at::kBFloat16, true, true},
-                                           // The model's head dims at the GPU test's T tails;
-                                           // dv = 208 (dk 128) and 272 (dk 64), the largest
-                                           // supported, take a second column per thread in
-                                           // the triangular solves (dv + dk > 256 threads).
-                                           Case{1, 200, 1, 128, 128, at::kFloat, true},
-                                           Case{1, 2085, 1, 128, 128, at::kFloat, true},
-                                           Case{1, 64, 2, 128, 128, at::kBFloat16, true},
-                                           Case{2, 200, 1, 128, 128, at::kFloat, true, true},
-                                           Case{2, 130, 1, 128, 128, at::kBFloat16, false, true},
-                                           Case{1, 130, 1, 128, 208, at::kFloat, true},
-                                           Case{1, 70, 1, 64, 272, at::kBFloat16, true}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return describe(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ChunkPrepKernelEmulation,
+    ::testing::Combine(::testing::Values(Case{1, 100, 2, 64, 32, at::kFloat, true},
+                                         Case{2, 64, 1, 64, 128, at::kFloat, false},
+                                         Case{1, 70, 1, 128, 64, at::kFloat, true},
+                                         Case{1, 130, 1, 128, 128, at::kBFloat16, true},
+                                         Case{1, 30, 2, 64, 48, at::kBFloat16, false},
+                                         Case{2, 70, 2, 64, 32, at::kFloat, true, true},
+                                         Case{2, 130, 1, 128, 64, at::kBFloat16, true, true},
+                                         // The model's head dims at the GPU test's T tails;
+                                         // dv = 208 (dk 128) and 272 (dk 64), the largest
+                                         // supported, take a second column per thread in
+                                         // the triangular solves (dv + dk > 256 threads).
+                                         Case{1, 200, 1, 128, 128, at::kFloat, true},
+                                         Case{1, 2085, 1, 128, 128, at::kFloat, true},
+                                         Case{1, 64, 2, 128, 128, at::kBFloat16, true},
+                                         Case{2, 200, 1, 128, 128, at::kFloat, true, true},
+                                         Case{2, 130, 1, 128, 128, at::kBFloat16, false, true},
+                                         Case{1, 130, 1, 128, 208, at::kFloat, true},
+                                         Case{1, 70, 1, 64, 272, at::kBFloat16, true}),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<Case, bool>>& info) {
+      return describe(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_tc" : "_simt");
+    });
 
 // ---------------------------------------------------------------------------
 // The fused q / k L2 norm and head groups (Note [Fused q/k L2 norm]): raw q, k with Hk

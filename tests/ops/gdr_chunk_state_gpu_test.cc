@@ -24,6 +24,7 @@
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
+#include "tests/ops/scoped_env.h"
 
 namespace gdr {
 namespace {
@@ -33,31 +34,12 @@ const auto kCuda = at::TensorOptions().device(at::kCUDA);
 using test_support::bitwise_equal;
 using test_support::error_of;
 
-// Sets GDR_CHUNK_SCAN_TC for its lifetime (the op layer reads it at every call) and
-// restores the previous value; `value` is for the test of a value the op refuses.
-class ScopedScanKernel {
+// Selects the scan kernel for its lifetime ("1" tensor cores, "0" SIMT, or a value the op
+// refuses).
+class ScopedScanKernel : public test_support::ScopedEnv {
  public:
   explicit ScopedScanKernel(bool tensor_cores) : ScopedScanKernel(tensor_cores ? "1" : "0") {}
-  explicit ScopedScanKernel(const char* value) {
-    const char* previous = std::getenv(kName);
-    had_previous_ = previous != nullptr;
-    if (had_previous_) previous_ = previous;
-    setenv(kName, value, 1);
-  }
-  ~ScopedScanKernel() {
-    if (had_previous_) {
-      setenv(kName, previous_.c_str(), 1);
-    } else {
-      unsetenv(kName);
-    }
-  }
-  ScopedScanKernel(const ScopedScanKernel&) = delete;
-  ScopedScanKernel& operator=(const ScopedScanKernel&) = delete;
-
- private:
-  static constexpr const char* kName = "GDR_CHUNK_SCAN_TC";
-  bool had_previous_ = false;
-  std::string previous_;
+  explicit ScopedScanKernel(const char* value) : ScopedEnv("GDR_CHUNK_SCAN_TC", value) {}
 };
 
 const char* scan_kernel_name(bool tensor_cores) {

@@ -32,6 +32,7 @@
 // run_grid from tests/ops/emulated_cuda.h. Blocks run one after another, so function
 // statics serve as shared memory.
 #include "tests/ops/emulated_cuda.h"
+#include "tests/ops/emulated_mma_tf32.h"
 
 // CUDA's float4: 16-byte aligned, so the kernel's float4 loads and stores of shared
 // memory and of operands it checked for 16-byte alignment are plain host accesses.
@@ -50,55 +51,7 @@ struct alignas(16) float4 {
 // ---------------------------------------------------------------------------
 // Host stand-ins for the tensor-core kernel's device helpers
 
-// cvt.rna.tf32.f32: round to nearest, ties away from zero, on the 13 low mantissa bits
-// (adding half an ulp to the sign-magnitude pattern rounds the magnitude half-up); the
-// low 13 bits of the result are zero.
-uint32_t tf32_round(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return bits & 0xffffe000u;  // inf / nan: as is
-  return (bits + 0x1000u) & 0xffffe000u;
-}
-
-float tf32_as_float(uint32_t bits) {
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-// The warp-collective mma.sync m16n8k8 row.col f32.tf32.tf32.f32: every lane publishes its
-// fragments, a warp barrier, every lane computes its four D elements from the whole
-// 16 x 8 x 8 product (FP64 sum of the exact TF32 products, rounded once to FP32), a warp
-// barrier before the scratch is reused. As the hardware, it reads only the TF32 bits of
-// the operands (the low 13 bits are ignored), so a missing tf32_round shows up.
-struct MmaFragments {
-  uint32_t a[4], b[2];
-};
-MmaFragments g_mma_scratch[kMaxWarps][32];
-int64_t g_mma_count = 0;  // by lane 0 of warp 0 (one writer)
-
-void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  MmaFragments& mine = g_mma_scratch[warp][lane];
-  for (int r = 0; r < 4; ++r) mine.a[r] = a[r];
-  for (int r = 0; r < 2; ++r) mine.b[r] = b[r];
-  pthread_barrier_wait(&g_warp_barrier[warp]);
-  const MmaFragments* frag = g_mma_scratch[warp];
-  auto value = [](uint32_t bits) { return double{tf32_as_float(bits & 0xffffe000u)}; };
-  // A[r][k]: lane 4 (r % 8) + k % 4, register r / 8 + 2 (k / 4); B[k][n]: lane 4 n + k % 4,
-  // register k / 4.
-  auto A = [&](int r, int k) { return value(frag[4 * (r % 8) + k % 4].a[r / 8 + 2 * (k / 4)]); };
-  auto B = [&](int k, int n) { return value(frag[4 * n + k % 4].b[k / 4]); };
-  const int g = static_cast<int>(lane) / 4, t = static_cast<int>(lane) % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    double acc = d[e];
-    for (int k = 0; k < 8; ++k) acc += A(row, k) * B(k, col);
-    d[e] = static_cast<float>(acc);
-  }
-  if (warp == 0 && lane == 0) ++g_mma_count;
-  pthread_barrier_wait(&g_warp_barrier[warp]);
-}
+// tf32_round, tf32_as_float, mma_m16n8k8_tf32: tests/ops/emulated_mma_tf32.h (above).
 
 // cp.async as plain synchronous copies (the waits are then no-ops).
 void cp_async_16(float* dst, const float* src) { std::memcpy(dst, src, 16); }

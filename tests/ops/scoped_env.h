@@ -1,0 +1,35 @@
+// ScopedEnv: sets one environment variable for its lifetime and restores the previous
+// value (or unsets it) on destruction, for tests of the op layer's environment switches,
+// which are read at every call.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+namespace gdr::test_support {
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* previous = std::getenv(name);
+    had_previous_ = previous != nullptr;
+    if (had_previous_) previous_ = previous;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_previous_) {
+      setenv(name_.c_str(), previous_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  bool had_previous_ = false;
+  std::string previous_;
+};
+
+}  // namespace gdr::test_support
