@@ -3,8 +3,8 @@
 // loop (composite), the scan on tensor cores ("kernel (tc)", the default) and on the FP32
 // SIMT kernel ("kernel (simt)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), and
 // steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
-// through set_gdr_core_prep; with tensor-core Gram tiles, the default, and on FP32 SIMT,
-// "kernel (simt)", GDR_CHUNK_PREP_TC=0, set per arm in this process) against the ATen ops
+// through set_gdr_core_prep; all FP32 SIMT, the default, and with tensor-core Gram and dM
+// tiles, "kernel (tc)", GDR_CHUNK_PREP_TC=1, set per arm in this process) against the ATen ops
 // (aten): forward (autograd recording, as
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench/cuda_timing.h"
+#include "bench/kernel_profile.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
@@ -64,7 +65,8 @@ struct Timings {
 // How the core's inputs arrive (--dtype).
 enum class Inputs { kBf16, kFp32, kModel };
 
-void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inputs inputs) {
+void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inputs inputs,
+                  bool profile) {
   const int64_t B = 1;
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   const bool model = inputs == Inputs::kModel;
@@ -103,18 +105,18 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
 
   // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
   // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
-  // SIMT kernel; the prep kernels with tensor-core Gram tiles (the default) and,
-  // GDR_CHUNK_PREP_TC=0, all FP32 SIMT; the last arm (all ATen) is the baseline of the
-  // "vs composite" columns.
+  // SIMT kernel; the prep kernels all FP32 SIMT (the default) and, GDR_CHUNK_PREP_TC=1,
+  // with tensor-core Gram and dM tiles; the first arm is the default configuration, the
+  // last (all ATen) the baseline of the "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
     bool scan_tc;
-    bool prep_tc = true;
+    bool prep_tc = false;
   };
   constexpr int kArms = 5;
   const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
-                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
                            {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
@@ -172,7 +174,7 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
                                                                                      : " (simt)");
     const std::string prep =
         std::string(to_string(arms[i].prep)) +
-        (arms[i].prep == GdrCorePrep::kKernel && !arms[i].prep_tc ? " (simt)" : "");
+        (arms[i].prep == GdrCorePrep::kKernel && arms[i].prep_tc ? " (tc)" : "");
     std::printf(
         "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
         static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),
@@ -180,6 +182,15 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
         base.forward_ms / t[i].forward_ms, tflops(f, t[i].forward_ms), t[i].forward_backward_ms,
         base.forward_backward_ms / t[i].forward_backward_ms,
         tflops(3 * f, t[i].forward_backward_ms));
+  }
+  if (profile) {
+    // The default arm (kernel scan and prep, tensor cores), forward+backward.
+    set_gdr_core_impl(arms[0].impl);
+    set_gdr_core_prep(arms[0].prep);
+    bench::print_kernel_profile("forward+backward, T = " + std::to_string(T) + ", default arm",
+                                forward_backward, {.top_kernels = 20});
+    set_gdr_core_impl(std::nullopt);
+    set_gdr_core_prep(std::nullopt);
   }
   std::fflush(stdout);
 }
@@ -191,12 +202,13 @@ int main(int argc, char** argv) {
   std::vector<int64_t> lengths = {2048, 16384};
   int64_t heads = 16, key_heads = 0, dk = 128, dv = 128;
   gdr::Inputs inputs = gdr::Inputs::kBf16;
+  bool profile = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
           "usage: gdr_core_bench [--lengths=T,...] [--heads=H] [--key_heads=Hk] [--dk=D] "
-          "[--dv=D] [--dtype=bf16|fp32|model]\n"
+          "[--dv=D] [--dtype=bf16|fp32|model] [--profile]\n"
           "  Times gated_delta_rule_chunked (B=1) forward and forward+backward with\n"
           "  step 7 as the CUDA chunk state kernel (kernel) and as the per-chunk ATen loop\n"
           "  (composite), and steps 1-6 (prep) as the chunk prep kernels (kernel) or ATen ops\n"
@@ -204,7 +216,8 @@ int main(int argc, char** argv) {
           "  L2-normalised q/k/v of that dtype with H heads; model = what the model hands the\n"
           "  core: raw BF16 q/k with Hk key heads (slices of one conv row), FP32 v,\n"
           "  GdrQkNorm::kL2. Defaults: --lengths=2048,16384 --heads=16 --key_heads=H --dk=128\n"
-          "  --dv=128 --dtype=bf16.\n"
+          "  --dv=128 --dtype=bf16. --profile: after each length's rows, the top GPU kernels\n"
+          "  of one forward+backward of the first (default) arm.\n"
           "  'vs composite' is composite time / this row's time; TFLOP/s counts the matmul\n"
           "  FLOPs of the whole chunked algorithm (formula in bench/gdr_core_bench.cc).\n");
       return 0;
@@ -222,6 +235,8 @@ int main(int argc, char** argv) {
         }
         lengths.push_back(value);
       }
+    } else if (arg == "--profile") {
+      profile = true;
     } else if (arg == "--dtype=bf16" || arg == "--dtype=fp32" || arg == "--dtype=model") {
       inputs = arg == "--dtype=fp32"    ? gdr::Inputs::kFp32
                : arg == "--dtype=model" ? gdr::Inputs::kModel
@@ -267,6 +282,6 @@ int main(int argc, char** argv) {
       "| T | H | dk/dv | step 7 | prep | forward ms | vs composite | fwd TFLOP/s | fwd+bwd ms | "
       "vs composite | fwd+bwd TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int64_t T : lengths) gdr::bench_length(T, heads, key_heads, dk, dv, inputs);
+  for (int64_t T : lengths) gdr::bench_length(T, heads, key_heads, dk, dv, inputs, profile);
   return 0;
 }

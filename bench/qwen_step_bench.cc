@@ -10,18 +10,15 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <map>
-#include <set>
 #include <string>
 #include <vector>
 
+#include "bench/kernel_profile.h"
 #include "models/qwen/config.h"
 #include "models/qwen/model.h"
 
@@ -134,67 +131,17 @@ int main(int argc, char** argv) {
                   std::string(e.what()).substr(0, 200).c_str());
     }
   }
-  // Where the time goes: GPU kernel time of one step, aggregated by kernel name.
-  namespace prof = torch::autograd::profiler;
+  // Where the time goes: GPU kernel time of one step, aggregated by kernel name, and the
+  // most-called host operators (the step can be host-bound).
   for (const Arm& arm : ran) {
     set_deterministic(arm.deterministic);
     model->set_pre_gdr_fusion(arm.fusion);
-    const std::set<torch::profiler::impl::ActivityType> activities = {
-        torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
-    const torch::profiler::impl::ProfilerConfig profiler_config(
-        torch::profiler::impl::ProfilerState::KINETO);
-    prof::prepareProfiler(profiler_config, activities);
-    prof::enableProfiler(profiler_config, activities);
-    const auto wall_start = std::chrono::steady_clock::now();
-    model->zero_grad();
-    model->loss(ids, ids).backward();
-    cudaDeviceSynchronize();
-    const double wall_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall_start)
-            .count();
-    const auto result = prof::disableProfiler();
-    std::map<std::string, std::pair<double, int>> by_kernel;
-    double total_us = 0;
-    int launches = 0;
-    std::map<std::string, std::pair<double, int>> by_cpu_op;  // host: ms (incl. children), calls
-    for (const auto& event : result->events()) {
-      if (event.deviceType() != c10::DeviceType::CUDA) {
-        auto& op = by_cpu_op[event.name().substr(0, 60)];
-        op.first += event.durationNs() / 1e6;
-        op.second += 1;
-        continue;
-      }
-      const double us = event.durationNs() / 1e3;
-      auto& slot = by_kernel[event.name().substr(0, 90)];
-      slot.first += us;
-      slot.second += 1;
-      total_us += us;
-      ++launches;
-    }
-    std::vector<std::pair<double, std::string>> ranked;
-    for (const auto& [name, v] : by_kernel) ranked.emplace_back(v.first, name);
-    std::sort(ranked.rbegin(), ranked.rend());
-    std::printf(
-        "\nTop GPU kernels, arm %s (GPU busy %.1f ms of %.1f ms wall under the profiler, %d "
-        "kernels and copies):\n| kernel | ms | %% | calls |\n|---|---|---|---|\n",
-        arm.name.c_str(), total_us / 1e3, wall_ms, launches);
-    for (size_t i = 0; i < ranked.size() && i < 25; ++i) {
-      std::printf("| %s | %.2f | %.1f | %d |\n", ranked[i].second.c_str(), ranked[i].first / 1e3,
-                  100.0 * ranked[i].first / total_us, by_kernel[ranked[i].second].second);
-    }
-    // Host side: which operators are called most (the step is host-bound), with their wall
-    // time under the profiler including nested operators.
-    std::vector<std::pair<int, std::string>> by_calls;
-    for (const auto& [name, v] : by_cpu_op) by_calls.emplace_back(v.second, name);
-    std::sort(by_calls.rbegin(), by_calls.rend());
-    std::printf(
-        "\nMost-called host operators, arm %s:\n| operator | calls | ms incl. nested |\n"
-        "|---|---|---|\n",
-        arm.name.c_str());
-    for (size_t i = 0; i < by_calls.size() && i < 30; ++i) {
-      std::printf("| %s | %d | %.1f |\n", by_calls[i].second.c_str(), by_calls[i].first,
-                  by_cpu_op[by_calls[i].second].first);
-    }
+    gdr::bench::print_kernel_profile("arm " + arm.name,
+                                     [&] {
+                                       model->zero_grad();
+                                       model->loss(ids, ids).backward();
+                                     },
+                                     {.top_kernels = 25, .top_host_operators = 30});
   }
   return 0;
 }

@@ -100,7 +100,8 @@ struct ChunkPrepShape {
   bool l2_normalize_qk = false;  // q, k rows normalised on load (Note [Fused q/k L2 norm])
   ChunkPrepInput qk_input = ChunkPrepInput::kFloat;
   ChunkPrepInput v_input = ChunkPrepInput::kFloat;
-  // false: always the FP32 SIMT products (GDR_CHUNK_PREP_TC=0 in the op layer).
+  // false: always the FP32 SIMT products. The op layer sets it from GDR_CHUNK_PREP_TC
+  // (unset: false, the measured-faster variant; ops/gdr_core_cuda.cc).
   bool allow_tensor_cores = true;
 };
 

@@ -51,7 +51,7 @@
 //
 // Note [Chunk prep on tensor cores]
 // With TC (the template parameter of the bodies; the launchers pick it with
-// chunk_prep_uses_tensor_cores, GDR_CHUNK_PREP_TC=0 in the op layer turns it off) the
+// chunk_prep_uses_tensor_cores; off unless GDR_CHUNK_PREP_TC=1 in the op layer) the
 // Gram tiles K K^T and Q K^T (C x C outputs contracting over dk; forward and backward
 // phase 1) and the backward's dM = -dR X^T (phase 3: C x C contracting over dv + dk,
 // X = [U | W] streamed through the slab buffer) run as warp-level mma.sync m16n8k8 TF32

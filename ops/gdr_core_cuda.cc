@@ -33,21 +33,24 @@ void check_launch(int error, const char* what) {
 
 // A kernel-variant switch read from the environment on every call (so a process can A/B
 // the variants with setenv between calls; a captured CUDA graph keeps the kernels it
-// captured): unset, empty or 1 allows the tensor-core (3xTF32) kernels where they apply,
-// 0 selects the FP32 SIMT kernels, and any other value is an error naming the variable (a
-// typo must not silently pick a kernel).
-bool tensor_cores_allowed_by(const char* variable, const char* simt_kernels) {
+// captured): 1 allows the tensor-core (3xTF32) kernels where they apply, 0 selects the
+// FP32 SIMT kernels, unset or empty gives `default_tensor_cores` (the faster variant as
+// measured on the H200: docs/benchmarks.md), and any other value is an error naming the
+// variable (a typo must not silently pick a kernel).
+bool tensor_cores_allowed_by(const char* variable, bool default_tensor_cores,
+                             const char* simt_kernels) {
   const char* value = std::getenv(variable);
-  if (value == nullptr || value[0] == '\0') return true;
+  if (value == nullptr || value[0] == '\0') return default_tensor_cores;
   const std::string_view v(value);
   TORCH_CHECK(v == "0" || v == "1", variable, ": expected 0 (", simt_kernels,
-              ") or 1 (tensor cores, the default) but got '", v, "'");
+              default_tensor_cores ? "" : ", the default", ") or 1 (tensor cores",
+              default_tensor_cores ? ", the default" : "", ") but got '", v, "'");
   return v == "1";
 }
 
 // GDR_CHUNK_SCAN_TC: the chunk scan (kernels/gdr_chunk_state.h).
 bool scan_tensor_cores_allowed() {
-  return tensor_cores_allowed_by("GDR_CHUNK_SCAN_TC", "the FP32 SIMT scan");
+  return tensor_cores_allowed_by("GDR_CHUNK_SCAN_TC", true, "the FP32 SIMT scan");
 }
 
 // The scan on the current stream of the inputs' device, launch errors raised here.
@@ -94,9 +97,10 @@ void check_prep_launch(int error, const char* what) {
 }
 
 // GDR_CHUNK_PREP_TC: the chunk prep's Gram and dM products (chunk_prep_uses_tensor_cores
-// in kernels/gdr_chunk_prep.h).
+// in kernels/gdr_chunk_prep.h). SIMT by default: with only those products converted the
+// tensor-core variant measured 2-5% slower (docs/benchmarks.md, session 7).
 bool prep_tensor_cores_allowed() {
-  return tensor_cores_allowed_by("GDR_CHUNK_PREP_TC", "the FP32 SIMT prep kernels");
+  return tensor_cores_allowed_by("GDR_CHUNK_PREP_TC", false, "the FP32 SIMT prep kernels");
 }
 
 template <typename Args>
