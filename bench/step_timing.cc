@@ -13,10 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "bench/kernel_profile.h"
 #include "gdr/run_config.h"
 #include "gdr/trainer.h"
 
@@ -24,9 +26,11 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: step_timing --config=FILE [--set=SECTION.KEY=VALUE ...] [--warmup=5] [--steps=50]\n"
-    "                   [--json=PATH]\n"
+    "                   [--json=PATH] [--profile]\n"
     "Runs W warm-up and T timed optimizer steps and prints the median and spread of the\n"
-    "step time, tokens/s and the peak allocated CUDA memory; --json also writes them.\n";
+    "step time, tokens/s and the peak allocated CUDA memory; --json also writes them.\n"
+    "--profile: then one more step under the Kineto profiler, with its top GPU kernels\n"
+    "(graph replays included) and GPU-busy vs wall time.\n";
 
 int fail(int code, absl::string_view message) {
   std::cerr << "step_timing: error: " << message << "\n";
@@ -44,6 +48,7 @@ double percentile(std::vector<double> v, double q) {
 int main(int argc, char** argv) {
   std::string config_path, json_path;
   int64_t warmup = 5, steps = 50;
+  bool profile = false;
   std::vector<gdr::ConfigOverride> overrides;
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
@@ -61,6 +66,8 @@ int main(int argc, char** argv) {
     } else if (absl::ConsumePrefix(&arg, "--steps=")) {
       if (!absl::SimpleAtoi(arg, &steps) || steps < 1)
         return fail(2, "--steps expects an integer >= 1");
+    } else if (arg == "--profile") {
+      profile = true;
     } else if (absl::ConsumePrefix(&arg, "--set=")) {
       auto o = gdr::parse_config_override(std::string(arg));
       if (!o.ok()) return fail(2, o.status().message());
@@ -71,7 +78,7 @@ int main(int argc, char** argv) {
   }
   if (config_path.empty()) return fail(2, "--config=FILE is required (see --help)");
   // The harness owns the step count: enough steps for warm-up + timing, no checkpoints.
-  overrides.push_back({"train.steps", std::to_string(warmup + steps)});
+  overrides.push_back({"train.steps", std::to_string(warmup + steps + (profile ? 1 : 0))});
   auto config = gdr::load_run_config(config_path, overrides);
   if (!config.ok()) return fail(2, config.status().message());
   auto trainer = gdr::Trainer::create(*config);
@@ -120,6 +127,17 @@ int main(int argc, char** argv) {
         << ", \"tokens_per_s\": " << tokens_per_s << ", \"peak_allocated_gib\": " << peak_gib
         << ", \"steps\": " << steps << ", \"warmup\": " << warmup << "}\n";
     if (!out) return fail(2, "cannot write " + json_path);
+  }
+  if (profile) {
+    absl::Status step_status;
+    gdr::bench::print_kernel_profile(
+        "one optimizer step",
+        [&] {
+          auto stats = (*trainer)->train_step();
+          if (!stats.ok()) step_status = stats.status();
+        },
+        {.top_kernels = 40});
+    if (!step_status.ok()) return fail(1, step_status.message());
   }
   return 0;
 }
