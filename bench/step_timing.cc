@@ -130,13 +130,12 @@ int main(int argc, char** argv) {
   }
   if (profile) {
     absl::Status step_status;
-    gdr::bench::print_kernel_profile(
-        "one optimizer step",
-        [&] {
-          auto stats = (*trainer)->train_step();
-          if (!stats.ok()) step_status = stats.status();
-        },
-        {.top_kernels = 40});
+    gdr::bench::print_kernel_profile("one optimizer step",
+                                     [&] {
+                                       auto stats = (*trainer)->train_step();
+                                       if (!stats.ok()) step_status = stats.status();
+                                     },
+                                     {.top_kernels = 40});
     if (!step_status.ok()) return fail(1, step_status.message());
   }
   return 0;

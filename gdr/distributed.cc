@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gdr/distributed_backend.h"
+#include "ops/tree_sum.h"
 
 // Note [Gloo without gloo headers]: libtorch_cpu.so contains c10d's ProcessGroupGloo, but
 // the libtorch distribution ships no gloo/ headers, which ProcessGroupGloo.hpp includes. We
@@ -244,88 +245,144 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::strin
   return out;
 }
 
+// Note [Deferred gradient leaves]
+// Adding leaf by leaf reads and writes the FP32 partial sum once per add: with M
+// microbatches of the 0.8B model that is about 3 x 3.2 GB per add, and an FP32 += BF16 add
+// runs ATen's casting (unrolled) elementwise path at about half the bandwidth (H200 step
+// profile, docs/benchmarks.md). So PairwiseSum keeps the newest leaves as they come (up
+// to kDeferredLeaves - 1 of them; add_copy_of keeps a copy in the leaf's own dtype, half
+// the bytes of an FP32 copy for BF16) and evaluates the binary-counter tree over the FP32
+// partial sums, the deferred leaves and the last leaf in one pass per tensor
+// (pairwise_tree_sum_out, ops/tree_sum.h): each input read once, the sum written once. A
+// full group of kDeferredLeaves leaves (a power of two, and always starting at a multiple
+// of it, so a complete subtree that the counter merges into one node before anything
+// else touches it) is summed into one FP32 partial sum, which bounds the copies kept.
+// Every merge is still one FP32 add in the tree's order, so the bits are those of the
+// leaf-by-leaf evaluation (tests/gdr/distributed_test.cc checks both against at::add).
+static_assert((PairwiseSum::kDeferredLeaves & (PairwiseSum::kDeferredLeaves - 1)) == 0,
+              "a deferred group must be a complete subtree");
+
+namespace {
+
+// FP32 (or `dtype`) tensors of `like`'s shapes tiling one new buffer in order, when they
+// share a device; separate tensors otherwise.
+std::vector<at::Tensor> tiled_like(const std::vector<at::Tensor>& like, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  out.reserve(like.size());
+  bool same_device = true;
+  int64_t total = 0;
+  for (const at::Tensor& t : like) {
+    same_device = same_device && t.device() == like[0].device();
+    total += t.numel();
+  }
+  if (!like.empty() && same_device) {
+    const at::Tensor flat = at::empty({total}, like[0].options().dtype(dtype));
+    int64_t offset = 0;
+    for (const at::Tensor& t : like) {
+      out.push_back(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  } else {
+    for (const at::Tensor& t : like) out.push_back(at::empty_like(t, dtype));
+  }
+  return out;
+}
+
+}  // namespace
+
 void PairwiseSum::merge_equal_levels() {
   while (stack_.size() >= 2 && stack_[stack_.size() - 1].first == stack_[stack_.size() - 2].first) {
     auto newer = std::move(stack_.back());
     stack_.pop_back();
     auto& older = stack_.back();
-    at::_foreach_add_(older.second, newer.second);
+    at::_foreach_add_(older.second, newer.second);  // FP32 += FP32
     older.first += newer.first;
   }
+}
+
+at::Tensor PairwiseSum::destination(size_t i, const at::Tensor& like) const {
+  if (!stack_.empty()) return stack_[0].second[i];
+  if (!sums_.empty()) return sums_[i];
+  if (!deferred_.empty() && deferred_[0][i].scalar_type() == at::kFloat) return deferred_[0][i];
+  return at::empty_like(like, at::kFloat);
+}
+
+at::Tensor PairwiseSum::sum_of_index(size_t i, const at::Tensor& last) const {
+  std::vector<at::Tensor> inputs;
+  std::vector<int64_t> leaves;
+  for (const auto& [count, partial] : stack_) {
+    inputs.push_back(partial[i]);
+    leaves.push_back(count);
+  }
+  for (const std::vector<at::Tensor>& leaf : deferred_) {
+    inputs.push_back(leaf[i]);
+    leaves.push_back(1);
+  }
+  if (last.defined()) {
+    inputs.push_back(last);
+    leaves.push_back(1);
+  }
+  if (inputs.size() == 1 && inputs[0].scalar_type() == at::kFloat) return inputs[0];
+  at::Tensor out = destination(i, inputs[0]);
+  pairwise_tree_sum_out(inputs, leaves, out);
+  return out;
+}
+
+void PairwiseSum::collapse_deferred() {
+  std::vector<at::Tensor> partial =
+      stack_.empty() && !sums_.empty() ? sums_ : tiled_like(deferred_[0], at::kFloat);
+  const std::vector<int64_t> leaves(deferred_.size(), 1);
+  for (size_t i = 0; i < partial.size(); ++i) {
+    std::vector<at::Tensor> inputs;
+    for (const std::vector<at::Tensor>& leaf : deferred_) inputs.push_back(leaf[i]);
+    pairwise_tree_sum_out(inputs, leaves, partial[i]);
+  }
+  const int64_t count = static_cast<int64_t>(deferred_.size());
+  deferred_.clear();
+  stack_.emplace_back(count, std::move(partial));
+  merge_equal_levels();
 }
 
 void PairwiseSum::add(std::vector<at::Tensor> leaf) {
   at::NoGradGuard no_grad;
-  stack_.emplace_back(1, std::move(leaf));
-  merge_equal_levels();
+  deferred_.push_back(std::move(leaf));
+  if (deferred_.size() == kDeferredLeaves) collapse_deferred();
 }
 
 void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
   at::NoGradGuard no_grad;
-  if (!stack_.empty() && stack_.back().first == 1) {
-    // The first merge add() would make: older += leaf, which only reads the leaf.
-    at::_foreach_add_(stack_.back().second, leaf);
-    stack_.back().first = 2;
-    merge_equal_levels();
-    return;
-  }
-  // The copy is FP32 (a 16-bit leaf widens exactly) and tiles one flat buffer, in order
-  // (Note [Two-rank all-reduce]): the oldest copy is where every later leaf ends up, so the
-  // sum comes out as views of one buffer.
+  // The sum's FP32 buffer, tiled in order (Note [Two-rank all-reduce]): the sums come out
+  // as views of one buffer.
+  if (stack_.empty() && deferred_.empty() && sums_.empty()) sums_ = tiled_like(leaf, at::kFloat);
+  const at::ScalarType dtype = leaf.empty() ? at::kFloat : leaf[0].scalar_type();
+  bool one_dtype = true;
+  for (const at::Tensor& t : leaf) one_dtype = one_dtype && t.scalar_type() == dtype;
   std::vector<at::Tensor> copy;
-  copy.reserve(leaf.size());
-  bool same_device = true;
-  int64_t total = 0;
-  for (const at::Tensor& t : leaf) {
-    same_device = same_device && t.device() == leaf[0].device();
-    total += t.numel();
-  }
-  if (!leaf.empty() && same_device) {
-    const at::Tensor flat = at::empty({total}, leaf[0].options().dtype(at::kFloat));
-    int64_t offset = 0;
-    for (const at::Tensor& t : leaf) {
-      copy.push_back(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
+  if (one_dtype) {
+    copy = tiled_like(leaf, dtype);
   } else {
-    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t, at::kFloat));
+    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
   }
   at::_foreach_copy_(copy, leaf);
-  add(std::move(copy));
+  deferred_.push_back(std::move(copy));
+  if (deferred_.size() == kDeferredLeaves) collapse_deferred();
 }
 
 at::Tensor PairwiseSum::finish_with_last(size_t i, at::Tensor last) {
   at::NoGradGuard no_grad;
-  std::vector<std::pair<int64_t, at::Tensor>> stack;
-  for (const auto& [leaves, partial] : stack_) stack.emplace_back(leaves, partial[i]);
-  stack.emplace_back(1, std::move(last));
-  auto merge_newest = [&] {
-    auto newer = std::move(stack.back());
-    stack.pop_back();
-    stack.back().second.add_(newer.second);
-    stack.back().first += newer.first;
-  };
-  while (stack.size() >= 2 && stack[stack.size() - 1].first == stack[stack.size() - 2].first) {
-    merge_newest();
-  }
-  while (stack.size() >= 2) merge_newest();
-  // A lone 16-bit leaf: the sum is FP32 like every partial sum (exact widening).
-  if (stack.back().second.scalar_type() != at::kFloat) return stack.back().second.to(at::kFloat);
-  return stack.back().second;
+  return sum_of_index(i, last);
 }
 
 std::vector<at::Tensor> PairwiseSum::finish() {
   at::NoGradGuard no_grad;
-  while (stack_.size() >= 2) {
-    auto newer = std::move(stack_.back());
-    stack_.pop_back();
-    auto& older = stack_.back();
-    at::_foreach_add_(older.second, newer.second);
-    older.first += newer.first;
-  }
   std::vector<at::Tensor> out;
-  if (!stack_.empty()) out = std::move(stack_.back().second);
+  const size_t n = !stack_.empty()      ? stack_[0].second.size()
+                   : !deferred_.empty() ? deferred_[0].size()
+                                        : 0;
+  for (size_t i = 0; i < n; ++i) out.push_back(sum_of_index(i, at::Tensor()));
   stack_.clear();
+  deferred_.clear();
+  sums_.clear();
   return out;
 }
 

@@ -23,11 +23,12 @@
 // each bucket is all-gathered, and every rank adds the W copies by the tree itself, so all
 // ranks compute the same bits and reruns are byte-identical. Costs: (1 + W) x 64 MiB per
 // queued bucket (up to kBucketsInFlight queued, so transfers run back to back), up to
-// log2(M) + 1 gradient copies while accumulating. With NCCL the all-gather is NCCL's (pure
-// data movement, so NCCL_ALGO does not matter) and the tree runs on the GPU. Two ranks
-// skip the all-gather: one all-reduce gives the same bits (Note [Two-rank all-reduce] in
-// distributed.cc). Overlap with the backward: OverlappedReduction and RangeAllReduce below;
-// sharded optimizer state is future work.
+// kDeferredLeaves - 1 leaf copies (16-bit when the leaves are) plus log2(M / 4) + 1 FP32
+// partial sums while accumulating (Note [Deferred gradient leaves] in distributed.cc). With NCCL
+// the all-gather is NCCL's (pure data movement, so NCCL_ALGO does not matter) and the tree runs on
+// the GPU. Two ranks skip the all-gather: one all-reduce gives the same bits (Note [Two-rank
+// all-reduce] in distributed.cc). Overlap with the backward: OverlappedReduction and RangeAllReduce
+// below; sharded optimizer state is future work.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -168,22 +169,27 @@ class OverlappedReduction {
 // Note [Gradient reduction tree]: leaves are pushed in order; whenever the two newest
 // partial sums cover equally many leaves they are merged (older += newer), as in a binary
 // counter; finish() merges what is left, newest into older. For 2^j leaves this is the
-// complete binary tree. add() takes ownership of the tensors and adds into them in place
-// (one multi-tensor add per merge: elementwise, so the same bits as one add per tensor).
+// complete binary tree. Every merge is one FP32 add (16-bit leaves widen exactly). The
+// adds are deferred and fused (Note [Deferred gradient leaves] in distributed.cc): the
+// newest leaves are kept as they are and evaluated together with the partial sums in one
+// pass per tensor (ops/tree_sum.h), which gives the same bits as adding them one by one.
 class PairwiseSum {
  public:
+  // Leaves kept unmerged at most; a full group of them is summed into one FP32 partial sum.
+  static constexpr size_t kDeferredLeaves = 4;
+
+  // Takes ownership of the tensors (they may become the sum's storage).
   void add(std::vector<at::Tensor> leaf);
   // add() of a leaf the caller keeps and may overwrite afterwards (a CUDA graph's output
-  // buffers, Note [Microbatch graphs]): when the leaf merges at once it is only read (added
-  // into the older FP32 partial sum, which add() would do too); otherwise it is copied
-  // first, into FP32. The leaf may be BF16/FP16: widening is exact and an FP32 += 16-bit
-  // add computes in FP32, so the bits are those of add() of the leaf widened to FP32,
-  // without a separate widening pass over the gradients.
+  // buffers, Note [Microbatch graphs]): the leaf is copied in its own dtype, its tensors
+  // tiling one buffer. The leaf may be BF16/FP16: widening is exact and every merge adds
+  // in FP32, so the bits are those of add() of the leaf widened to FP32. The sums of a
+  // PairwiseSum fed by add_copy_of come out as views of one FP32 buffer, in order.
   void add_copy_of(const std::vector<at::Tensor>& leaf);
   // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
   // add() of that leaf and then finish() would make for index i, in the same order (so the
-  // same bits), done for this index alone (Note [Overlapped gradient reduction]). Adds in
-  // place into the kept partial sums of index i; call at most once per index, and use
+  // same bits), done for this index alone (Note [Overlapped gradient reduction]) in one
+  // pass. Writes into the kept storage of index i; call at most once per index, and use
   // neither add() nor finish() afterwards.
   at::Tensor finish_with_last(size_t i, at::Tensor last);
   // The sum; empty when nothing was added.
@@ -191,7 +197,16 @@ class PairwiseSum {
 
  private:
   void merge_equal_levels();
-  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> stack_;  // (leaves, partial sum)
+  void collapse_deferred();
+  // Where tensor i of the sum goes: the oldest FP32 partial sum, else the buffer
+  // add_copy_of allocated, else the oldest deferred leaf when it is FP32, else a new tensor.
+  at::Tensor destination(size_t i, const at::Tensor& like) const;
+  // Tensor i of the sum of stack_, deferred_ and (when defined) `last`, in one pass.
+  at::Tensor sum_of_index(size_t i, const at::Tensor& last) const;
+
+  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> stack_;  // (leaves, FP32 partial sum)
+  std::vector<std::vector<at::Tensor>> deferred_;  // single leaves after stack_, in order
+  std::vector<at::Tensor> sums_;                   // add_copy_of's FP32 output buffer (views)
 };
 
 // Start-up agreement, every rank calling with its own value: OK when all ranks' values are

@@ -180,6 +180,48 @@ TEST(PairwiseSumTest, FinishWithLastEqualsAddThenFinish) {
   }
 }
 
+// The leaf-by-leaf binary counter written out with at::add (the definition of Note
+// [Gradient reduction tree]), independent of PairwiseSum's deferred, fused evaluation.
+at::Tensor leaf_by_leaf(const std::vector<at::Tensor>& leaves) {
+  std::vector<std::pair<int, at::Tensor>> stack;
+  auto merge = [&] {
+    const auto newer = stack.back();
+    stack.pop_back();
+    stack.back() = {stack.back().first + newer.first, at::add(stack.back().second, newer.second)};
+  };
+  for (const at::Tensor& leaf : leaves) {
+    stack.emplace_back(1, leaf.to(at::kFloat));
+    while (stack.size() >= 2 && stack.back().first == stack[stack.size() - 2].first) merge();
+  }
+  while (stack.size() >= 2) merge();
+  return stack.back().second;
+}
+
+// 1 .. 19 leaves, FP32 through add() and BF16 through add_copy_of() and finish_with_last():
+// the bits of the leaf-by-leaf tree, across several deferred groups (kDeferredLeaves = 4).
+// The values span 1e-3 .. 1e5, so a different tree or order would change low bits.
+TEST(PairwiseSumTest, DeferredEvaluationHasTheBitsOfTheLeafByLeafTree) {
+  for (int n = 1; n <= 19; ++n) {
+    at::manual_seed(100 + n);
+    std::vector<at::Tensor> fp32, bf16;
+    for (int k = 0; k < n; ++k) {
+      fp32.push_back(at::randn({37}) * at::pow(10.0, at::randint(-3, 6, {37})));
+      bf16.push_back(fp32.back().to(at::kBFloat16));
+    }
+    PairwiseSum owned, copied, with_last;
+    for (int k = 0; k < n; ++k) {
+      owned.add({fp32[k].clone()});
+      copied.add_copy_of({bf16[k]});
+      if (k + 1 < n) with_last.add_copy_of({bf16[k]});
+    }
+    EXPECT_TRUE(at::equal(owned.finish()[0], leaf_by_leaf(fp32))) << n << " FP32 leaves";
+    const at::Tensor want = leaf_by_leaf(bf16);
+    EXPECT_TRUE(at::equal(copied.finish()[0], want)) << n << " BF16 leaves";
+    EXPECT_TRUE(at::equal(with_last.finish_with_last(0, bf16[n - 1]), want))
+        << n << " BF16 leaves, finish_with_last";
+  }
+}
+
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
