@@ -1,8 +1,7 @@
 // The pairwise tree sum (kernels/tree_sum.h): elementwise, memory-bound. Each thread takes
 // four consecutive elements per grid-stride round (16-byte FP32 / 8-byte 16-bit loads
 // when every pointer is aligned and numel % 4 == 0, scalar otherwise), runs the program
-// in registers (the partial-sum slots are selected by unrolled compares on the uniform
-// slot index, so they stay in registers, not local memory) and stores slot 0. Roofline:
+// in registers (run_program) and stores slot 0. Roofline:
 // HBM bandwidth over (sum of input bytes + 4 bytes of output) per element.
 //
 // Determinism: each output element is one thread's fixed sequence of FP32 adds (the
@@ -53,25 +52,40 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 }
 
 // The program over one group of elements: T is float4 (vectorised) or float (scalar).
+// The slot index is uniform across the grid, so the switches are uniform branches and
+// every slot stays in a register (a runtime-indexed array would live in local memory,
+// and unrolled compare-and-select over all slots per step made the kernel issue-bound).
 template <typename T, typename Load, typename Add>
 __device__ __forceinline__ T run_program(const TreeSumArgs& args, Load load, Add add) {
-  T slots[kTreeSumMaxSlots];
+  static_assert(kTreeSumMaxSlots == 8, "the switches below name every slot");
+  T s0, s1, s2, s3, s4, s5, s6, s7;
   for (int k = 0; k < args.step_count; ++k) {
     const TreeSumStep step = args.steps[k];
     if (step.input >= 0) {
       const T value = load(step.input);
-#pragma unroll
-      for (int s = 0; s < kTreeSumMaxSlots; ++s) {
-        if (s == step.slot) slots[s] = value;
+      switch (step.slot) {
+        case 0: s0 = value; break;
+        case 1: s1 = value; break;
+        case 2: s2 = value; break;
+        case 3: s3 = value; break;
+        case 4: s4 = value; break;
+        case 5: s5 = value; break;
+        case 6: s6 = value; break;
+        default: s7 = value; break;
       }
     } else {
-#pragma unroll
-      for (int s = 0; s + 1 < kTreeSumMaxSlots; ++s) {
-        if (s == step.slot) slots[s] = add(slots[s], slots[s + 1]);
+      switch (step.slot) {
+        case 0: s0 = add(s0, s1); break;
+        case 1: s1 = add(s1, s2); break;
+        case 2: s2 = add(s2, s3); break;
+        case 3: s3 = add(s3, s4); break;
+        case 4: s4 = add(s4, s5); break;
+        case 5: s5 = add(s5, s6); break;
+        default: s6 = add(s6, s7); break;
       }
     }
   }
-  return slots[0];
+  return s0;
 }
 
 template <bool kVectorised>
