@@ -677,7 +677,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
     }
   }
-  if (tid == 0) fs[0] = __uint_as_float(blockIdx.x);  // for after phase 2
+  if (tid == 0) fs[0] = __uint_as_float(blockIdx.x);  // its bits, for after phase 2
   copy_rows<kThreads>(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
   copy_rows<kThreads>(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
   __syncthreads();
@@ -771,6 +771,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
           }
         }
       } else {
+        // Unrolled by 2 only: unrolled further, ptxas hoists so many loads of the next
+        // steps that the 128-register budget spills.
 #pragma unroll 2
         for (int cc = 0; cc < width; cc += 4) {
           Vec4 dr[Map::kRows], x[Map::kCols];
