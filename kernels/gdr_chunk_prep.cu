@@ -28,14 +28,15 @@ int record(int error, bool tensor_cores) {
 // Two blocks per SM (83 KiB of shared memory each at dk = 128): at most 128 registers.
 // TC: the tensor-core variant (Note [Chunk prep on tensor cores]).
 template <typename TQK, typename TV, bool TC>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kForwardThreads, 2)
     chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
   extern __shared__ float smem[];
   chunk_prep_forward_block<TQK, TV, TC>(args, smem);
 }
 
+// One block per SM (up to 227 KiB of shared memory): 16 warps, so at most 128 registers.
 template <typename TQK, typename TV, int DK, bool TC>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBackwardThreads, 1)
     chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
   extern __shared__ float smem[];
   chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem);
@@ -48,8 +49,8 @@ __global__ void __launch_bounds__(kThreads)
 // a chunk (K, Q, the C x C products, the [U | W] panel) live in dynamic shared memory
 // (forward ~83 KiB, backward ~207 KiB at dk = dv = 128), above the 48 KiB default, so
 // each launch raises the kernel's limit first, and asks for the largest shared-memory
-// carveout so that two forward blocks share an SM.
-template <typename Kernel, typename Args>
+// carveout so that two forward blocks share an SM. Threads: the kernel's block size.
+template <int Threads, typename Kernel, typename Args>
 int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* stream) {
   const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
   if (blocks <= 0) return static_cast<int>(cudaSuccess);
@@ -61,7 +62,7 @@ int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* st
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
   if (error != cudaSuccess) return static_cast<int>(error);
-  kernel<<<static_cast<unsigned int>(blocks), kThreads, bytes, stream>>>(args);
+  kernel<<<static_cast<unsigned int>(blocks), Threads, bytes, stream>>>(args);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -75,24 +76,29 @@ template <bool TC>
 int launch_forward_tc(const ChunkPrepForwardArgs& args, int64_t floats, CUstream_st* stream) {
   const ChunkPrepShape& s = args.shape;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_forward_kernel<float, float, TC>, args, floats, stream);
+    return launch<kForwardThreads>(chunk_prep_forward_kernel<float, float, TC>, args, floats,
+                                   stream);
   }
   if (s.v_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_forward_kernel<Bf16, float, TC>, args, floats, stream);
+    return launch<kForwardThreads>(chunk_prep_forward_kernel<Bf16, float, TC>, args, floats,
+                                   stream);
   }
-  return launch(chunk_prep_forward_kernel<Bf16, Bf16, TC>, args, floats, stream);
+  return launch<kForwardThreads>(chunk_prep_forward_kernel<Bf16, Bf16, TC>, args, floats, stream);
 }
 
 template <int DK, bool TC>
 int launch_backward_dk(const ChunkPrepBackwardArgs& args, int64_t floats, CUstream_st* stream) {
   const ChunkPrepShape& s = args.shape;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_backward_kernel<float, float, DK, TC>, args, floats, stream);
+    return launch<kBackwardThreads>(chunk_prep_backward_kernel<float, float, DK, TC>, args, floats,
+                                    stream);
   }
   if (s.v_input == ChunkPrepInput::kFloat) {
-    return launch(chunk_prep_backward_kernel<Bf16, float, DK, TC>, args, floats, stream);
+    return launch<kBackwardThreads>(chunk_prep_backward_kernel<Bf16, float, DK, TC>, args, floats,
+                                    stream);
   }
-  return launch(chunk_prep_backward_kernel<Bf16, Bf16, DK, TC>, args, floats, stream);
+  return launch<kBackwardThreads>(chunk_prep_backward_kernel<Bf16, Bf16, DK, TC>, args, floats,
+                                  stream);
 }
 
 }  // namespace chunk_prep_detail

@@ -41,9 +41,13 @@ struct CUstream_st;
 
 namespace gdr::kernels {
 
-constexpr int kChunkPrepChunk = 64;     // C: chunk length the kernels are built for
-constexpr int kChunkPrepThreads = 256;  // threads per block
-constexpr int kChunkPrepSlab = 32;      // [U | W] columns staged per step of dM = -dR X^T
+constexpr int kChunkPrepChunk = 64;  // C: chunk length the kernels are built for
+// Threads per block. The forward (83 KiB of shared memory at dk = 128) runs two blocks of
+// 8 warps per SM; the backward (up to 227 KiB) fits only one block per SM, so it runs 16
+// warps (at most 128 registers per thread) to keep 4 warps per scheduler resident.
+constexpr int kChunkPrepForwardThreads = 256;
+constexpr int kChunkPrepBackwardThreads = 512;
+constexpr int kChunkPrepSlab = 32;  // [U | W] columns staged per step of dM = -dR X^T
 // Dynamic shared memory one block may use (H100 / H200: 227 KiB opt-in).
 constexpr int64_t kChunkPrepMaxSharedBytes = 227 * 1024;
 // eps of the fused q/k L2 norm (the model's, HF's use_qk_l2norm_in_kernel).

@@ -20,9 +20,11 @@
 // partial row (every slot written once), and the op sums them in value-head order with
 // elementwise adds on the same stream (Note [Head group gradient sum] in
 // ops/gdr_chunk_prep.cc). Inside a block every output element is accumulated by one
-// thread in a fixed index order; the backward's row sums are four fixed quarters (each
-// one thread's in-order sum, in shared memory) that one thread per row adds in quarter
-// order; the fused L2 norm's sums of squares are one thread per row, columns in order,
+// thread in a fixed index order (which thread owns which element depends only on the
+// block size, a constant of each kernel: Note [Chunk prep tile maps]); the backward's
+// row sums are eight fixed parts (each one thread's in-order sum over a fixed range,
+// in shared memory) that one thread per row adds in part order, 0 to 7; the fused L2
+// norm's sums of squares are one thread per row, columns in order,
 // and its backward's row dots sixteen per-thread partials added in thread order by every
 // thread of the row (Note [Fused q/k L2 norm]); the cumsums are one thread's sequential
 // loop. In the tensor-core variant (Note [Chunk prep on tensor cores]) the converted
@@ -58,19 +60,23 @@
 // with the 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level
 // accuracy). Only the lower triangle is
 // used: of the 4 x 8 grid of 16 x 8 tiles per product, the 20 with column block
-// cb < 2 rb + 2 touch it, 40 tiles for both products, 5 per warp (warp w takes tiles
-// w, w + 8, ..); each warp owns whole tiles and sums all of dk itself in increasing k.
+// cb < 2 rb + 2 touch it, 40 tiles for both products; warp w takes tiles w, w + W, ..
+// of the block's W warps (forward: 8 warps, 5 tiles each; backward: 16 warps, warps 0-7
+// take 3 tiles and 8-15 take 2); each warp owns whole tiles and sums all of dk itself
+// in increasing k.
 // The fragments read K and Q straight from their shared rows (pitch dk + 4 = 4 mod 32:
 // A[r][k] = rows[16 rb + r][k] and B[k][n] = K[8 cb + n][k] both hit bank 4 g + t, so the
-// loads are conflict-free). In phase 3 warp w owns lower tiles w, w + 8, w + 16 (< 20) of
-// dM and keeps their accumulators across the slabs, c increasing. The tiles wholly above
+// loads are conflict-free). In phase 3 warp w of 16 owns lower tiles w and w + 16 (< 20:
+// warps 0-3 two tiles, the others one) of dM and keeps their accumulators across the
+// slabs, c increasing. The tiles wholly above
 // the diagonal are not computed; the consumers get 0 there, as in the SIMT products. All
 // other products (the triangular solves, dK / dQ, the row sums) are the FP32 SIMT code
 // either way. Not converted yet: phase 6 (dK, dQ: three C x C by C x dk products, the
 // largest remaining, ~3 MFLOP per block at dk = 128). Its results feed the fused L2
 // norm's row dots and the stores in the SIMT (tr, tc) register layout, and a warp's share
-// of both C x dk outputs as 3xTF32 accumulators (16 tiles x 12 floats at dk = 128) is over
-// the register budget, so it needs column passes with the products staged in shared
+// of both C x dk outputs as 3xTF32 accumulators (8 tiles x 12 floats at dk = 128 with 16
+// warps) is over the 128-register budget, so it needs column passes with the products
+// staged in shared
 // memory (none is free at dk = dv = 128 without reusing kl / pm) and a fixed-order
 // cross-warp row dot. The solves are sequential in the row index and stay SIMT.
 #pragma once
@@ -81,12 +87,30 @@
 namespace gdr::kernels::chunk_prep_detail {
 
 constexpr int kC = kChunkPrepChunk;
-constexpr int kThreads = kChunkPrepThreads;
-constexpr int kSide = 16;  // 16 x 16 threads, each a 4 x 4 tile of a C x C product
-constexpr int kTileRows = kC / kSide;
+constexpr int kForwardThreads = kChunkPrepForwardThreads;    // 8 warps
+constexpr int kBackwardThreads = kChunkPrepBackwardThreads;  // 16 warps
 constexpr int kSlab = kChunkPrepSlab;
-static_assert(kSide * kSide == kThreads, "C x C products use every thread once");
-static_assert(kC % kSide == 0, "C must split into whole tiles");
+
+// Note [Chunk prep tile maps]
+// The SIMT C x C products (the Gram tiles K K^T, Q K^T and the backward's dM = -dR X^T)
+// split their outputs over the block's Threads as kRowThreads x 16 threads: thread
+// (ti, tj) = (tid / 16, tid % 16) owns rows ti + kRowThreads a (a < kRows) and columns
+// tj + 16 b (b < 4), and sums every one of them itself over the contraction index in
+// order. Forward (256 threads): 16 x 16 threads, 4 x 4 elements each; backward (512):
+// 32 x 16 threads, 2 x 4 each. A warp is two values of ti (broadcast reads) and sixteen
+// of tj. Only the lower triangle (i >= j) is ever used: tile (a, b) lies wholly above
+// the diagonal, and is skipped (left zero), when its largest i - j = kRowThreads (a + 1)
+// - 1 - 16 b is negative (forward: a < b, 6 of 16; backward: b >= 2 a + 2, 2 of 8).
+template <int Threads>
+struct TileMap {
+  static constexpr int kColThreads = 16;
+  static constexpr int kRowThreads = Threads / kColThreads;
+  static constexpr int kRows = kC / kRowThreads;
+  static constexpr int kCols = kC / kColThreads;
+  static_assert(Threads % kColThreads == 0 && kC % kRowThreads == 0 && kC % kColThreads == 0,
+                "C x C products use every thread once, in whole tiles");
+  static constexpr bool above(int a, int b) { return kRowThreads * (a + 1) <= kColThreads * b; }
+};
 
 // BF16 as stored by at::BFloat16: the high half of an FP32.
 struct Bf16 {
@@ -126,9 +150,9 @@ struct ChunkPlace {
   int rows;      // rows of the chunk inside the sequence (the rest are padding)
 };
 
-__device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
+__device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s, unsigned block) {
   ChunkPlace place;
-  place.block = blockIdx.x;
+  place.block = block;
   const long long n = place.block % s.chunks;
   const long long bh = place.block / s.chunks;
   place.h = bh % s.heads;
@@ -139,6 +163,9 @@ __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
   const long long left = s.tokens - place.t0;
   place.rows = left < kC ? static_cast<int>(left) : kC;
   return place;
+}
+__device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
+  return chunk_place(s, blockIdx.x);
 }
 
 // Element offset of row i of the chunk in an input with the given strides: v, g, beta
@@ -184,6 +211,19 @@ __device__ __forceinline__ Vec4 load_vec4(const float* p) {
 #endif
 }
 
+// x, as a value the compiler cannot see through: what derives from it is computed afresh.
+// The backward's triangular solve stores its column through row addresses i * pitch;
+// with the load's pitch the compiler keeps all C addresses of the loads live across the
+// solve to reuse them (C registers more than the column itself) and spills at 128.
+template <typename T>  // a 32-bit integer type
+__device__ __forceinline__ T opaque(T x) {
+  static_assert(sizeof(T) == 4, "one 32-bit register");
+#ifdef __CUDA_ARCH__
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
+
 // Loads g and beta of the chunk (zeros past the end) and forms G = cumsum(g) and exp(G).
 // One thread does the cumsum: 64 sequential adds, a fixed order (the ATen composite's
 // scan order differs, which only moves the last bits).
@@ -211,14 +251,15 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
 // A loop that alternates a global load with a shared store runs one load at a time: the
 // load goes through a generic pointer that might alias the shared array, so neither nvcc
 // nor ptxas moves the next load above the store, and each iteration waits the full global
-// latency (with 8 warps per SM nothing else hides it). The copies below load kLoadBatch
+// latency (with few warps per SM nothing else hides it). The copies below load kLoadBatch
 // values per thread into registers first and store them after. Pure data movement: the
 // values and bits are those of the one-at-a-time loops.
 constexpr int kLoadBatch = 8;
 
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
-// With the fused L2 norm both are loaded raw and normalize_qk finishes them.
-template <typename TIn, typename Args>
+// With the fused L2 norm both are loaded raw and normalize_qk finishes them. Threads: the
+// block's thread count (here and in the helpers below; each element is one thread's).
+template <typename TIn, int Threads, typename Args>
 __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
                                         int q_pitch, float* ks, int k_pitch) {
   const ChunkPrepShape& s = args.shape;
@@ -226,11 +267,11 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
   const TIn* k = static_cast<const TIn*>(args.k);
   const float q_mul = s.l2_normalize_qk ? 1.0f : s.scale;
   const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
-  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+  for (int e0 = 0; e0 < n; e0 += Threads * kLoadBatch) {
     float qv[kLoadBatch], kv[kLoadBatch];
 #pragma unroll
     for (int m = 0; m < kLoadBatch; ++m) {
-      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      const int e = e0 + tid + Threads * m, i = e / dk, c = e % dk;
       qv[m] = kv[m] = 0.0f;
       if (e < n && i < place.rows) {
         qv[m] = load_float(q + key_row(args.q_strides, place, i) + c) * q_mul;
@@ -239,7 +280,7 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
     }
 #pragma unroll
     for (int m = 0; m < kLoadBatch; ++m) {
-      const int e = e0 + tid + kThreads * m, i = e / dk, c = e % dk;
+      const int e = e0 + tid + Threads * m, i = e / dk, c = e % dk;
       if (e < n) {
         qs[i * q_pitch + c] = qv[m];
         ks[i * k_pitch + c] = kv[m];
@@ -253,10 +294,11 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
 // that thread 0's cumsum in load_decays runs alongside), then Q = (q r) scale, K = k r in
 // place. Starts after a barrier that published the raw rows; the caller's next barrier
 // publishes the result. Padded rows are zero and stay zero (r = rsqrt(eps) is finite).
+template <int Threads>
 __device__ __forceinline__ void normalize_qk(const ChunkPrepShape& s, float* qs, int q_pitch,
                                              float* ks, int k_pitch, float* rq, float* rk) {
   const int tid = threadIdx.x, dk = s.dk;
-  static_assert(3 * kC <= kThreads, "one thread per q row and per k row besides thread 0");
+  static_assert(3 * kC <= Threads, "one thread per q row and per k row besides thread 0");
   if (tid >= kC && tid < 3 * kC) {
     const int i = (tid - kC) % kC;
     const bool is_q = tid < 2 * kC;
@@ -270,7 +312,7 @@ __device__ __forceinline__ void normalize_qk(const ChunkPrepShape& s, float* qs,
     (is_q ? rq : rk)[i] = rsqrtf(ss + kChunkPrepL2Eps);
   }
   __syncthreads();
-  for (int e = tid; e < kC * dk; e += kThreads) {
+  for (int e = tid; e < kC * dk; e += Threads) {
     const int i = e / dk, c = e % dk;
     qs[i * q_pitch + c] = (qs[i * q_pitch + c] * rq[i]) * s.scale;
     ks[i * k_pitch + c] = ks[i * k_pitch + c] * rk[i];
@@ -279,52 +321,58 @@ __device__ __forceinline__ void normalize_qk(const ChunkPrepShape& s, float* qs,
 
 // A contiguous [C][width] global array (nullptr: zeros) into shared rows of the given
 // pitch, kLoadBatch loads in flight per thread (Note [Batched global loads]).
+template <int Threads>
 __device__ __forceinline__ void copy_rows(const float* src, int width, float* dst, int pitch) {
   const int n = kC * width, tid = threadIdx.x;
-  for (int e0 = 0; e0 < n; e0 += kThreads * kLoadBatch) {
+  for (int e0 = 0; e0 < n; e0 += Threads * kLoadBatch) {
     float r[kLoadBatch];
 #pragma unroll
     for (int m = 0; m < kLoadBatch; ++m) {
-      const int e = e0 + tid + kThreads * m;
+      const int e = e0 + tid + Threads * m;
       r[m] = src && e < n ? src[e] : 0.0f;
     }
 #pragma unroll
     for (int m = 0; m < kLoadBatch; ++m) {
-      const int e = e0 + tid + kThreads * m;
+      const int e = e0 + tid + Threads * m;
       if (e < n) dst[(e / width) * pitch + e % width] = r[m];
     }
   }
 }
 
-// Thread (ti, tj) computes rows ti + 16a and columns tj + 16b (a, b < 4) of K K^T and
-// Q K^T, dk summed in order. The rows come in 16-byte loads of 4 consecutive c (pitches
-// multiples of 4, = 4 mod 32: Note [Chunk prep shared pitches]) and every product still
-// sums c = 0, 1, 2, ... one fmaf at a time: per 4 c, 12 loads for 80 fmaf. Within a warp
-// ti takes two values (two broadcast addresses) and tj sixteen rows, those of one
-// quarter-warp on 8 distinct 4-bank groups. Only the lower triangle (i >= j) is ever
-// used: tiles with a < b lie wholly above the diagonal (i - j = ti - tj + 16 (a - b) < 0)
-// and stay zero, 6 of the 16 products skipped.
-__device__ __forceinline__ void gram_tiles(const float* qs, int q_pitch, const float* ks,
-                                           int k_pitch, int dk, float (&kk)[kTileRows][kTileRows],
-                                           float (&qk)[kTileRows][kTileRows]) {
-  const int ti = threadIdx.x / kSide, tj = threadIdx.x % kSide;
-  for (int a = 0; a < kTileRows; ++a) {
-    for (int b = 0; b < kTileRows; ++b) kk[a][b] = qk[a][b] = 0.0f;
+// Thread (ti, tj) computes its tiles (Note [Chunk prep tile maps]) of K K^T and Q K^T, dk
+// summed in order. The rows come in 16-byte loads of 4 consecutive c (pitches multiples
+// of 4, = 4 mod 32: Note [Chunk prep shared pitches]) and every product still sums c = 0,
+// 1, 2, ... one fmaf at a time: per 4 c, 12 loads for 80 fmaf (forward), 8 for 48
+// (backward). Within a warp ti takes two values (two broadcast addresses) and tj sixteen
+// rows, those of one quarter-warp on 8 distinct 4-bank groups.
+template <int Threads>
+__device__ __forceinline__ void gram_tiles(
+    const float* qs, int q_pitch, const float* ks, int k_pitch, int dk,
+    float (&kk)[TileMap<Threads>::kRows][TileMap<Threads>::kCols],
+    float (&qk)[TileMap<Threads>::kRows][TileMap<Threads>::kCols]) {
+  using Map = TileMap<Threads>;
+  const int ti = threadIdx.x / Map::kColThreads, tj = threadIdx.x % Map::kColThreads;
+  for (int a = 0; a < Map::kRows; ++a) {
+    for (int b = 0; b < Map::kCols; ++b) kk[a][b] = qk[a][b] = 0.0f;
   }
   for (int c = 0; c < dk; c += 4) {
-    Vec4 kr[kTileRows], qr[kTileRows], kc[kTileRows];
+    Vec4 kr[Map::kRows], qr[Map::kRows], kc[Map::kCols];
 #pragma unroll
-    for (int a = 0; a < kTileRows; ++a) {
-      kr[a] = load_vec4(ks + (ti + kSide * a) * k_pitch + c);
-      qr[a] = load_vec4(qs + (ti + kSide * a) * q_pitch + c);
-      kc[a] = load_vec4(ks + (tj + kSide * a) * k_pitch + c);
+    for (int a = 0; a < Map::kRows; ++a) {
+      kr[a] = load_vec4(ks + (ti + Map::kRowThreads * a) * k_pitch + c);
+      qr[a] = load_vec4(qs + (ti + Map::kRowThreads * a) * q_pitch + c);
+    }
+#pragma unroll
+    for (int b = 0; b < Map::kCols; ++b) {
+      kc[b] = load_vec4(ks + (tj + Map::kColThreads * b) * k_pitch + c);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
 #pragma unroll
-      for (int a = 0; a < kTileRows; ++a) {
+      for (int a = 0; a < Map::kRows; ++a) {
 #pragma unroll
-        for (int b = 0; b <= a; ++b) {
+        for (int b = 0; b < Map::kCols; ++b) {
+          if (Map::above(a, b)) continue;
           kk[a][b] = fmaf(kr[a].v[u], kc[b].v[u], kk[a][b]);
           qk[a][b] = fmaf(qr[a].v[u], kc[b].v[u], qk[a][b]);
         }
@@ -353,13 +401,14 @@ __device__ __forceinline__ bool above_lower_tiles(int i, int j) {
 // with x = (K K^T)_ij and qk_out(i, j, x) with x = (Q K^T)_ij once for every element of
 // the C x C products, 0 for the tiles wholly above the diagonal (x = 0 there, as the SIMT
 // tiles leave it). Every call comes from the one thread that owns the element; no barrier.
-template <typename KkOut, typename QkOut>
+// Warp w of the block's Threads / 32 takes tiles w, w + warps, ... of the 40.
+template <int Threads, typename KkOut, typename QkOut>
 __device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, const float* ks,
                                               int k_pitch, int dk, const KkOut& kk_out,
                                               const QkOut& qk_out) {
   using namespace mma_tf32;
-  constexpr int kWarps = kThreads / 32;
-  static_assert(kC == 64 && (2 * kLowerTiles) % kWarps == 0, "whole tiles per warp");
+  constexpr int kWarps = Threads / 32;
+  static_assert(kC == 64 && Threads % 32 == 0, "whole warps, C = 64 in whole tiles");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   for (int x = warp; x < 2 * kLowerTiles; x += kWarps) {
     const bool is_qk = x >= kLowerTiles;
@@ -391,7 +440,7 @@ __device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, cons
       }
     }
   }
-  for (int e = tid; e < kC * kC; e += kThreads) {
+  for (int e = tid; e < kC * kC; e += Threads) {
     const int i = e / kC, j = e % kC;
     if (above_lower_tiles(i, j)) {
       kk_out(i, j, 0.0f);
@@ -477,13 +526,14 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* es = bs + kC;
   float* rq = es + kC;
   float* rk = rq + kC;
+  constexpr int kThreads = kForwardThreads;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TV* v = static_cast<const TV*>(args.v);
 
-  load_qk<TQK>(args, place, qs, kp, ks, kp);
+  load_qk<TQK, kThreads>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);  // a barrier, then the cumsum (no barrier after)
-  if (s.l2_normalize_qk) normalize_qk(s, qs, kp, ks, kp, rq, rk);
+  if (s.l2_normalize_qk) normalize_qk<kThreads>(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
 
   float* p = args.p + place.block * kC * kC;
@@ -494,14 +544,15 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   };
   auto p_out = [&](int i, int j, float qk) { p[i * kC + j] = qk * decay(i, j); };
   if constexpr (TC) {
-    gram_tiles_tc(qs, kp, ks, kp, dk, m_out, p_out);
+    gram_tiles_tc<kThreads>(qs, kp, ks, kp, dk, m_out, p_out);
   } else {
-    float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-    gram_tiles(qs, kp, ks, kp, dk, kk, qk);
-    const int ti = tid / kSide, tj = tid % kSide;
-    for (int a = 0; a < kTileRows; ++a) {
-      for (int b = 0; b < kTileRows; ++b) {
-        const int i = ti + kSide * a, j = tj + kSide * b;
+    using Map = TileMap<kThreads>;
+    float kk[Map::kRows][Map::kCols], qk[Map::kRows][Map::kCols];
+    gram_tiles<kThreads>(qs, kp, ks, kp, dk, kk, qk);
+    const int ti = tid / Map::kColThreads, tj = tid % Map::kColThreads;
+    for (int a = 0; a < Map::kRows; ++a) {
+      for (int b = 0; b < Map::kCols; ++b) {
+        const int i = ti + Map::kRowThreads * a, j = tj + Map::kColThreads * b;
         m_out(i, j, kk[a][b]);
         p_out(i, j, qk[a][b]);
       }
@@ -543,33 +594,39 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   }
 }
 
-// Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h). Shared
-// memory (floats; pitches: Note [Chunk prep shared pitches]): ks, qs [C][dk+4] K and
-// scale*Q; rs [C][dv+dk+4] [dU | dW] solved in place into dR = (I + M)^-T [dU | dW];
+// Backward (the formulas: Note [Chunk prep backward] in ops/gdr_chunk_prep.h), 512
+// threads (16 warps, one block per SM, at most 128 registers: kernels/gdr_chunk_prep.cu).
+// Shared memory (floats, in this order; pitches: Note [Chunk prep shared pitches]):
 // kl [C][C+1] (K K^T) * L strictly below the diagonal (M = beta_i kl), later dM .* kl;
-// pm [C][C+1] P, later E; d1 [C][C+1] first M^T at pitch C (phases 1-2), then dM, later
-// dKK; d2 [C][C+1] dQK; xs [C][36] a 32-column slab of [U | W], later the phase 5 partial
-// sums and the phase 6 row dots; gs, bs, es, dgs, fs, rq, rk [C].
+// pm [C][C+1] P, later E (kl and pm then take phase 5's partial sums); d1 [C][C+1] first
+// M^T at pitch C (phases 1-2), then dM, later dKK; d2 [C][C+1] dQK; xs [C][36] a
+// 32-column slab of [U | W], later the phase 6 row dots; gs, bs, es, dgs, fs, rq, rk [C]
+// (fs[0] also parks the block index through phase 2); ks, qs [C][dk+4] K and scale*Q;
+// rs [C][dv+dk+4] [dU | dW] solved in place into dR = (I + M)^-T [dU | dW].
 // Phases, each ended by a barrier: 0 decays, Q, K (with the fused L2 norm, normalised
-// exactly as in the forward); 1 Gram tiles -> kl, M^T, pm and
-// [dU | dW] -> rs; 2 back substitution per column in registers (row i of dR is
-// dX_i - sum_{j>i} M_ji dR_j, j descending: Note [Register-resident substitution]); 3 dM =
-// -dR X^T below the diagonal, X streamed through xs; 4 elementwise C x C: E, dM .* kl,
-// dKK, dQK; 5 four threads per row, each a quarter of every row sum, then one thread per
-// row adds the quarters in order: dbeta and the row part of dG (thread 0 then adds the
-// G_last terms and runs the reverse cumsum into dg); 6 dk, dq as register tiles (4 rows x
-// DK/16 columns per thread; with the fused L2 norm, mapped back through it with one more
-// barrier for the row dots), and dv.
+// exactly as in the forward); 1 Gram tiles (32 x 16 threads, 2 x 4 elements each: Note
+// [Chunk prep tile maps]; tensor cores: 40 tiles over 16 warps) -> kl, M^T, pm and
+// [dU | dW] -> rs; 2 back substitution, one thread per column in registers (dv + dk <= 464
+// columns, the other threads idle; row i of dR is dX_i - sum_{j>i} M_ji dR_j, j
+// descending: Note [Register-resident substitution]); 3 dM = -dR X^T below the diagonal
+// (the tile map of phase 1; tensor cores: 20 tiles over 16 warps), X streamed through xs
+// 4 floats per thread; 4 elementwise C x C (8 elements per thread): E, dM .* kl, dKK,
+// dQK; 5 eight threads per row, each an eighth of every row sum, then (a barrier, as the
+// partials overwrite kl and pm) one thread per row adds the eight parts in order: dbeta
+// and the row part of dG (thread 0 then adds the G_last terms and runs the reverse cumsum
+// into dg); 6 dk, dq as register tiles (32 x 16 threads, 2 rows x DK/16 columns each;
+// with the fused L2 norm, mapped back through it with one more barrier for the row dots),
+// and dv.
 template <typename TQK, typename TV, int DK, bool TC>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
-  const int dv = s.dv, cols = dv + DK;
-  const int kp = DK + 4, rp = cols + 4, mp = kC + 1, xp = kSlab + 4;
-  float* ks = smem;
-  float* qs = ks + kC * kp;
-  float* rs = qs + kC * kp;
-  float* kl = rs + kC * rp;
-  float* pm = kl + kC * mp;
+  const int dv = s.dv, cols = dv + DK, rp = cols + 4;
+  constexpr int kp = DK + 4, mp = kC + 1, xp = kSlab + 4;
+  // rs, the one region whose size depends on dv, comes last: every other region then
+  // starts at a compile-time offset (no base registers to keep live under the 128-register
+  // budget).
+  float* kl = smem;
+  float* pm = kl + kC * mp;  // right after kl: phase 5's partials span both
   float* d1 = pm + kC * mp;
   float* d2 = d1 + kC * mp;
   float* xs = d2 + kC * mp;
@@ -580,15 +637,20 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   float* fs = dgs + kC;
   float* rq = fs + kC;
   float* rk = rq + kC;
+  float* ks = rk + kC;
+  float* qs = ks + kC * kp;
+  float* rs = qs + kC * kp;
+  constexpr int kThreads = kBackwardThreads;
+  using Map = TileMap<kThreads>;  // phases 1 and 3 (Note [Chunk prep tile maps])
   const int tid = threadIdx.x;
-  const ChunkPlace place = chunk_place(s);
+  ChunkPlace place = chunk_place(s);
   const TV* v = static_cast<const TV*>(args.v);
-  const long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
+  long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
 
   // Phase 0.
-  load_qk<TQK>(args, place, qs, kp, ks, kp);
+  load_qk<TQK, kThreads>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);
-  if (s.l2_normalize_qk) normalize_qk(s, qs, kp, ks, kp, rq, rk);
+  if (s.l2_normalize_qk) normalize_qk<kThreads>(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
 
   // Phase 1.
@@ -601,45 +663,57 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     };
     auto p_out = [&](int i, int j, float qk) { pm[i * mp + j] = qk * decay(i, j); };
     if constexpr (TC) {
-      gram_tiles_tc(qs, kp, ks, kp, DK, kl_out, p_out);
+      gram_tiles_tc<kThreads>(qs, kp, ks, kp, DK, kl_out, p_out);
     } else {
-      float kk[kTileRows][kTileRows], qk[kTileRows][kTileRows];
-      gram_tiles(qs, kp, ks, kp, DK, kk, qk);
-      const int ti = tid / kSide, tj = tid % kSide;
-      for (int a = 0; a < kTileRows; ++a) {
-        for (int b = 0; b < kTileRows; ++b) {
-          const int i = ti + kSide * a, j = tj + kSide * b;
+      float kk[Map::kRows][Map::kCols], qk[Map::kRows][Map::kCols];
+      gram_tiles<kThreads>(qs, kp, ks, kp, DK, kk, qk);
+      const int ti = tid / Map::kColThreads, tj = tid % Map::kColThreads;
+      for (int a = 0; a < Map::kRows; ++a) {
+        for (int b = 0; b < Map::kCols; ++b) {
+          const int i = ti + Map::kRowThreads * a, j = tj + Map::kColThreads * b;
           kl_out(i, j, kk[a][b]);
           p_out(i, j, qk[a][b]);
         }
       }
     }
   }
-  copy_rows(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
-  copy_rows(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
+  if (tid == 0) fs[0] = __uint_as_float(blockIdx.x);  // its bits, for after phase 2
+  copy_rows<kThreads>(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
+  copy_rows<kThreads>(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
   __syncthreads();
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
+  // One thread per column: cols = dv + dk <= 464 < 512 for every supported shape
+  // (chunk_prep_supports: dv <= 400 at dk = 64, dv <= 208 at dk = 128), so the threads
+  // past cols idle here; a column's rows form one sequential chain.
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
 #pragma unroll
     for (int i = 0; i < kC; ++i) x[i] = rs[i * rp + c];
     back_substitute(d1, x);
+    const int pitch = opaque(rp);  // the store addresses anew (see opaque)
 #pragma unroll
-    for (int i = 0; i < kC; ++i) rs[i * rp + c] = x[i];
+    for (int i = 0; i < kC; ++i) rs[i * pitch + c] = x[i];
   }
   __syncthreads();
+  // The same place again, from the block index parked in fs (free until phase 5):
+  // otherwise its 64-bit fields (or blockIdx.x, whose read ptxas hoists) stay live in
+  // registers, or spilled, through the solve above, whose column alone takes C.
+  place = chunk_place(s, __float_as_uint(fs[0]));
+  chunk_dv = place.block * kC * dv;
+  chunk_dk = place.block * kC * DK;
 
   // Phase 3: dM_ij = -sum_c dR_ic X_jc for i > j, c in order over [U | W]. The next slab
   // of X is fetched into registers before the current one is multiplied, so its global
   // latency hides behind the FMAs. Tiles above the diagonal (a < b) are skipped, as in
   // gram_tiles, and as there the rows come in 16-byte loads of 4 consecutive c (slab
-  // widths are multiples of 16 as dv is): per 4 c, 8 loads for 40 fmaf.
+  // widths are multiples of 16 as dv is): the tile map of gram_tiles (Note [Chunk prep
+  // tile maps]), per 4 c 6 loads for 24 fmaf. The slab is 4 floats per thread.
   {
-    const int ti = tid / kSide, tj = tid % kSide;
-    float acc[kTileRows][kTileRows];
-    for (int a = 0; a < kTileRows; ++a) {
-      for (int b = 0; b < kTileRows; ++b) acc[a][b] = 0.0f;
+    const int ti = tid / Map::kColThreads, tj = tid % Map::kColThreads;
+    float acc[Map::kRows][Map::kCols];
+    for (int a = 0; a < Map::kRows; ++a) {
+      for (int b = 0; b < Map::kCols; ++b) acc[a][b] = 0.0f;
     }
     constexpr int kSlabLoads = kC * kSlab / kThreads;
     static_assert(kC * kSlab % kThreads == 0, "slabs split evenly over the threads");
@@ -655,7 +729,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
     };
     // Tensor-core variant (Note [Chunk prep on tensor cores]): warp w owns the lower
-    // tiles w, w + 8, w + 16 (< 20) of dM and keeps their 3xTF32 accumulators across the
+    // tiles w, w + 16 (< 20) of dM and keeps their 3xTF32 accumulators across the
     // slabs, each walking c in increasing order. A[r][k] = dR[16 rb + r][c0 + k] (rs, pitch
     // dv + dk + 4 = 4 or 20 mod 32: banks 4 g + t or 20 g + t, distinct over the warp),
     // B[k][n] = X[8 cb + n][k] (xs, pitch 36: bank 4 g + t). Conflict-free loads.
@@ -697,19 +771,27 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
           }
         }
       } else {
+        // Unrolled by 2 only: unrolled further, ptxas hoists so many loads of the next
+        // steps that the 128-register budget spills.
+#pragma unroll 2
         for (int cc = 0; cc < width; cc += 4) {
-          Vec4 dr[kTileRows], x[kTileRows];
+          Vec4 dr[Map::kRows], x[Map::kCols];
 #pragma unroll
-          for (int a = 0; a < kTileRows; ++a) {
-            dr[a] = load_vec4(rs + (ti + kSide * a) * rp + c0 + cc);
-            x[a] = load_vec4(xs + (tj + kSide * a) * xp + cc);
+          for (int a = 0; a < Map::kRows; ++a) {
+            dr[a] = load_vec4(rs + (ti + Map::kRowThreads * a) * rp + c0 + cc);
+          }
+#pragma unroll
+          for (int b = 0; b < Map::kCols; ++b) {
+            x[b] = load_vec4(xs + (tj + Map::kColThreads * b) * xp + cc);
           }
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
 #pragma unroll
-            for (int a = 0; a < kTileRows; ++a) {
+            for (int a = 0; a < Map::kRows; ++a) {
 #pragma unroll
-              for (int b = 0; b <= a; ++b) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+              for (int b = 0; b < Map::kCols; ++b) {
+                if (!Map::above(a, b)) acc[a][b] = fmaf(dr[a].v[u], x[b].v[u], acc[a][b]);
+              }
             }
           }
         }
@@ -734,9 +816,9 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         if (above_lower_tiles(i, j)) d1[i * mp + j] = 0.0f;
       }
     } else {
-      for (int a = 0; a < kTileRows; ++a) {
-        for (int b = 0; b < kTileRows; ++b) {
-          const int i = ti + kSide * a, j = tj + kSide * b;
+      for (int a = 0; a < Map::kRows; ++a) {
+        for (int b = 0; b < Map::kCols; ++b) {
+          const int i = ti + Map::kRowThreads * a, j = tj + Map::kColThreads * b;
           d1[i * mp + j] = i > j ? -acc[a][b] : 0.0f;
         }
       }
@@ -768,32 +850,37 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   }
   __syncthreads();
 
-  // Phase 5: row sums in four quarters. Thread (i = tid % C, quarter = tid / C) sums its
-  // quarter of the c and j ranges in order; a warp is 32 consecutive rows of one quarter:
-  // row i of a pitch-odd matrix starts in bank i, so its one-float reads hit 32 banks, and
-  // rs, ks, qs come in 16-byte loads of 4 consecutive c (Note [Chunk prep shared pitches];
-  // quarters and batches start at multiples of 4, and a batch's loads past its range stay
-  // inside the row's padding and go unused). Then one thread per row adds the four
-  // quarters in order (a fixed order, so the same bits every run).
+  // Phase 5: row sums in eight parts. Thread (i = tid % C, part = tid / C) sums its part
+  // of the c and j ranges in order; a warp is 32 consecutive rows of one part: row i of a
+  // pitch-odd matrix starts in bank i, so its one-float reads hit 32 banks, and rs, ks, qs
+  // come in 16-byte loads of 4 consecutive c (Note [Chunk prep shared pitches]). The c
+  // ranges split into whole groups of 4 columns, part p taking groups [p n / 8, (p + 1)
+  // n / 8) of n (dv / 4 is a multiple of 4 but not always of 8, so parts of v may differ
+  // by a group or be empty); a batch's loads past its range stay inside the row (the next
+  // columns or the row's padding) and go unused. The partials go to kl and pm once every
+  // thread has read them (one more barrier: xs is too small for 8 x 7 x C partials), then
+  // one thread per row adds the eight parts in part order (a fixed order, so the same bits
+  // every run).
   const float g_last = gs[kC - 1];
   const float* grad_qd = args.grad_qd ? args.grad_qd + chunk_dk : nullptr;
   const float* grad_kend = args.grad_kend ? args.grad_kend + chunk_dk : nullptr;
-  constexpr int kQuarters = kThreads / kC;
+  constexpr int kParts = kThreads / kC;
   constexpr int kSums = 7;
-  static_assert(kQuarters == 4 && kC % kQuarters == 0 && DK % kQuarters == 0,
-                "four threads per row, whole quarters");
-  static_assert(kQuarters * kSums * kC <= kC * (kSlab + 1), "partials fit the slab buffer");
-  float* part = xs;  // [quarter][sum][C]; xs is free after phase 3
+  static_assert(kParts == 8 && kC % kParts == 0 && DK % (4 * kParts) == 0,
+                "eight threads per row, whole parts of j and of dk");
+  static_assert(kParts * kSums * kC <= 2 * kC * (kC + 1), "partials fit kl and pm");
+  float* part = kl;  // [part][sum][C] over kl and pm, free once phase 5 has read them
   {
-    const int i = tid % kC, quarter = tid / kC;
+    const int i = tid % kC, p = tid / kC;
     const bool real = i < place.rows;
     const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
-    const int v_width = dv / kQuarters, k_width = DK / kQuarters, j_width = kC / kQuarters;
+    const int v_groups = dv / 4, k_width = DK / kParts, j_width = kC / kParts;
     // Global operands come kLoadBatch at a time (Note [Batched global loads]); every sum
     // still runs over c in order.
-    const int v_end = (quarter + 1) * v_width, k_end = (quarter + 1) * k_width;
-    for (int c0 = quarter * v_width; c0 < v_end; c0 += kLoadBatch) {
+    const int v_begin = 4 * (p * v_groups / kParts), v_end = 4 * ((p + 1) * v_groups / kParts);
+    const int k_end = (p + 1) * k_width;
+    for (int c0 = v_begin; c0 < v_end; c0 += kLoadBatch) {
       float vv[kLoadBatch];
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
@@ -807,7 +894,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         if (real && c0 + m < v_end) su = fmaf(vv[m], r, su);
       }
     }
-    for (int c0 = quarter * k_width; c0 < k_end; c0 += kLoadBatch) {
+    for (int c0 = p * k_width; c0 < k_end; c0 += kLoadBatch) {
       float gq[kLoadBatch], gk[kLoadBatch];
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
@@ -829,12 +916,13 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         if (grad_kend) sf = fmaf(gk[m], kv, sf);
       }
     }
-    for (int j = quarter * j_width; j < (quarter + 1) * j_width; ++j) {
+    for (int j = p * j_width; j < (p + 1) * j_width; ++j) {
       sb += kl[i * mp + j];
       row_e += pm[i * mp + j];
       col_e += pm[j * mp + i];
     }
-    float* out = part + quarter * kSums * kC + i;
+    __syncthreads();  // every read of kl and pm done
+    float* out = part + p * kSums * kC + i;
     out[0 * kC] = su;
     out[1 * kC] = sk;
     out[2 * kC] = sq;
@@ -850,9 +938,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
     for (int n = 0; n < kSums; ++n) {
       sum[n] = part[n * kC + i];
-      for (int quarter = 1; quarter < kQuarters; ++quarter) {
-        sum[n] += part[(quarter * kSums + n) * kC + i];
-      }
+      for (int q = 1; q < kParts; ++q) sum[n] += part[(q * kSums + n) * kC + i];
     }
     const float su = sum[0], sk = sum[1], sq = sum[2], sf = sum[3], sb = sum[4];
     const float row_e = sum[5], col_e = sum[6];
@@ -880,9 +966,10 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   // Phase 6: dK_ic = sum_j (dKK_ij + dKK_ji) K_jc + dQK_ji Q_jc + beta_i exp(G_i) dRw_ic
   // + dKend_ic exp(G_last - G_i);  dQ_ic = sum_j dQK_ij K_jc + dQd_ic exp(G_i);
   // dq = scale dQ, j in order for every element. Thread (tr, tc) = (tid / 16, tid % 16)
-  // owns rows tr + 16a (a < 4) and columns tc + 16b (b < DK/16): per j it loads 16 C x C
-  // values and 2 DK/16 of K, Q for 12 DK/16 FMAs. A warp is two rows of threads: its
-  // K, Q reads are 16 consecutive words (broadcast to both rows), its C x C reads two words.
+  // owns rows tr + 32a (a < 2) and columns tc + 16b (b < DK/16): per j it loads 8 C x C
+  // values and 2 DK/16 of K, Q for 6 DK/16 FMAs (acc_k, acc_q: 2 x 2 DK/16 registers). A
+  // warp is two rows of threads: its K, Q reads are 16 consecutive words (broadcast to
+  // both rows), its C x C reads two words.
   {
     constexpr int kColThreads = 16;
     constexpr int kRowThreads = kThreads / kColThreads;
@@ -947,8 +1034,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       // dx = r (dxn - xn <xn, dxn>) (Note [Fused q/k L2 norm]). Row i's columns belong to
       // the 16 threads with this tr: each adds its kCols products in b order into one
       // partial per row, then every thread of the row adds the 16 partials in tc order
-      // (the same bits on all 16). xs is free: phase 5's partials were read before the
-      // barrier that ended it.
+      // (the same bits on all 16). xs is free since phase 3.
       static_assert(2 * kC * kColThreads <= kC * (kSlab + 1), "row dots fit the slab buffer");
       float* dots = xs;  // [2][C][16]: q's partials, then k's
       const TQK* q = static_cast<const TQK*>(args.q);

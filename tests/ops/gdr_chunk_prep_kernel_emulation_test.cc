@@ -63,32 +63,33 @@ namespace {
 
 using chunk_prep_detail::Bf16;
 
-// Every block of the grid in turn, each with kChunkPrepThreads host threads and a fresh
-// shared-memory buffer filled with NaN (so a read of a slot nobody wrote shows).
+// Every block of the grid in turn, each with `threads` host threads (the kernel's block
+// size: kChunkPrepForwardThreads or kChunkPrepBackwardThreads) and a fresh shared-memory
+// buffer filled with NaN (so a read of a slot nobody wrote shows).
 template <typename Args, typename Body>
-void run_grid(const Args& args, int64_t smem_floats, const Body& body) {
+void run_grid(const Args& args, int64_t smem_floats, int threads, const Body& body) {
   const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
   std::vector<float> smem(smem_floats);
   // The bodies read some shared rows as 16-byte vectors (ld.shared.v4 on the GPU, whose
   // dynamic shared memory is at least 16-byte aligned); the host buffer must match.
   ASSERT_EQ(reinterpret_cast<uintptr_t>(smem.data()) % 16, 0u);
-  pthread_barrier_init(&g_block_barrier, nullptr, kChunkPrepThreads);
-  constexpr int kWarps = kChunkPrepThreads / 32;
-  static_assert(kWarps <= kMaxWarps, "one emulated warp barrier per warp");
-  for (int w = 0; w < kWarps; ++w) pthread_barrier_init(&g_warp_barrier[w], nullptr, 32);
+  ASSERT_TRUE(threads % 32 == 0 && threads / 32 <= kMaxWarps) << threads;
+  pthread_barrier_init(&g_block_barrier, nullptr, threads);
+  const int warps = threads / 32;  // one emulated warp barrier per warp
+  for (int w = 0; w < warps; ++w) pthread_barrier_init(&g_warp_barrier[w], nullptr, 32);
   for (int64_t b = 0; b < blocks; ++b) {
     std::fill(smem.begin(), smem.end(), NAN);
-    std::vector<std::thread> threads;
-    for (int t = 0; t < kChunkPrepThreads; ++t) {
-      threads.emplace_back([&, b, t] {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, b, t] {
         blockIdx.x = static_cast<unsigned>(b);
         threadIdx.x = static_cast<unsigned>(t);
         body(args, smem.data());
       });
     }
-    for (std::thread& thread : threads) thread.join();
+    for (std::thread& thread : pool) thread.join();
   }
-  for (int w = 0; w < kWarps; ++w) pthread_barrier_destroy(&g_warp_barrier[w]);
+  for (int w = 0; w < warps; ++w) pthread_barrier_destroy(&g_warp_barrier[w]);
   pthread_barrier_destroy(&g_block_barrier);
 }
 
@@ -111,11 +112,11 @@ void emulate_forward_tc(const ChunkPrepForwardArgs& args) {
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_forward_block<float, float, TC>);
+    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<float, float, TC>);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_forward_block<Bf16, float, TC>);
+    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<Bf16, float, TC>);
   } else {
-    run_grid(args, floats, chunk_prep_forward_block<Bf16, Bf16, TC>);
+    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<Bf16, Bf16, TC>);
   }
 }
 
@@ -130,11 +131,14 @@ void emulate_backward_dk(const ChunkPrepBackwardArgs& args) {
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_backward_block<float, float, DK, TC>);
+    run_grid(args, floats, kChunkPrepBackwardThreads,
+             chunk_prep_backward_block<float, float, DK, TC>);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, chunk_prep_backward_block<Bf16, float, DK, TC>);
+    run_grid(args, floats, kChunkPrepBackwardThreads,
+             chunk_prep_backward_block<Bf16, float, DK, TC>);
   } else {
-    run_grid(args, floats, chunk_prep_backward_block<Bf16, Bf16, DK, TC>);
+    run_grid(args, floats, kChunkPrepBackwardThreads,
+             chunk_prep_backward_block<Bf16, Bf16, DK, TC>);
   }
 }
 
@@ -293,16 +297,24 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{2, 70, 2, 64, 32, at::kFloat, true, true},
                                          Case{2, 130, 1, 128, 64, at::kBFloat16, true, true},
                                          // The model's head dims at the GPU test's T tails;
-                                         // dv = 208 (dk 128) and 272 (dk 64), the largest
-                                         // supported, take a second column per thread in
-                                         // the triangular solves (dv + dk > 256 threads).
+                                         // dv = 208 (dk 128) and 272 (dk 64) (the largest
+                                         // supported at dk 128) take a second column per
+                                         // thread in the forward's solve (dv + dk > 256
+                                         // threads).
                                          Case{1, 200, 1, 128, 128, at::kFloat, true},
                                          Case{1, 2085, 1, 128, 128, at::kFloat, true},
                                          Case{1, 64, 2, 128, 128, at::kBFloat16, true},
                                          Case{2, 200, 1, 128, 128, at::kFloat, true, true},
                                          Case{2, 130, 1, 128, 128, at::kBFloat16, false, true},
                                          Case{1, 130, 1, 128, 208, at::kFloat, true},
-                                         Case{1, 70, 1, 64, 272, at::kBFloat16, true}),
+                                         Case{1, 70, 1, 64, 272, at::kBFloat16, true},
+                                         // The backward's extremes: dv + dk = 464 of its
+                                         // 512 threads solving (dv = 400, the largest at
+                                         // dk 64), and dv = 16, whose 4 groups of 4
+                                         // columns leave half of phase 5's 8 parts of v
+                                         // empty (400: 100 groups, parts of 12 and 13).
+                                         Case{1, 30, 1, 64, 400, at::kFloat, true},
+                                         Case{1, 70, 1, 64, 16, at::kFloat, true}),
                        ::testing::Bool()),
     [](const ::testing::TestParamInfo<std::tuple<Case, bool>>& info) {
       return describe(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_tc" : "_simt");
