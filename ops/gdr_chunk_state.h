@@ -29,7 +29,8 @@
 // linked through //ops:cuda_ops): FP32, C = 64, dk in {64, 128, 256}, dv a multiple of
 // 16; runs on the current stream; deterministic by construction (no atomics, every sum in
 // a fixed order: see Note [Chunk state scan determinism] in
-// kernels/gdr_chunk_state_kernel.cuh).
+// kernels/gdr_chunk_state_kernel.cuh and Note [Chunk GEMM determinism] in
+// kernels/gdr_chunk_gemm.h for the batched products).
 // Saving S_n from the forward instead of recomputing it costs B*H*N*dk*dv*4 bytes
 // (32 MiB per layer at B=1, T=2048, H=16, dk=dv=128) and saves a whole sequential pass in
 // the backward, the part of this op that cannot use the whole GPU.

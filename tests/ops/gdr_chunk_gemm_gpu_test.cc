@@ -146,12 +146,15 @@ TEST(ChunkGemmGpu, EveryStatePassProductMatchesFp64WithinThe3xTf32Bound) {
       ASSERT_EQ(got.sizes(), ref.sizes()) << context;
       int64_t k_total = 0;
       for (const Term& t : p.terms) k_total += op(t.a, p.ta).size(2);
-      // The bound of //tests/ops:gdr_chunk_gemm_kernel_emulation_test with 2^-22 per
-      // accumulator rounding instead of 2^-23 (the tensor cores' FP32 accumulation aligns
-      // and truncates rather than rounding to nearest): 3 2^-22 |a b| per product for the
-      // split, and K/8 + 2 roundings of at most sum |a b| per element.
+      // The bound of //tests/ops:gdr_chunk_gemm_kernel_emulation_test (3 2^-22 |a b| per
+      // product for the split, K/8 + 2 accumulator roundings of at most sum |a b| per
+      // element) with 2^-21 instead of 2^-23 per accumulator step: the tensor cores' FP32
+      // accumulation aligns the mma's addends to the largest and truncates, a few ulp per
+      // mma at worst. That slack no longer tells plain TF32 apart at K = 320, so the
+      // FP32-level check below (plain TF32: ~3e-4) does.
       const at::Tensor bound =
-          (3.0 + (k_total / 8.0 + 2.0)) * std::ldexp(1.0, -22) * abs_sum + 1e-30;
+          (3.0 * std::ldexp(1.0, -22) + (k_total / 8.0 + 2.0) * std::ldexp(1.0, -21)) * abs_sum +
+          1e-30;
       const at::Tensor err = (got - ref).abs();
       const double ratio = (err / bound).max().item<double>();
       const double max_ref = ref.abs().max().item<double>();
