@@ -28,17 +28,22 @@
 // cp.async double buffering, each staged element split into TF32 big / small once per
 // block.
 //
-// Expected roofline (H100 SXM / H200, 132 SMs, ~1.8 GHz): mma.sync m16n8k8 TF32 is
-// 2048 FLOP, and the dense TF32 peak (495 TFLOP/s) is one such mma per SM per clock;
-// mma.sync reaches ~60-70% of it on sm_90 (wgmma the rest). 3 mmas per product make the
-// FP32-equivalent ceiling ~165 TFLOP/s, ~100-110 in practice, against 67 for FP32 FFMA
-// (cuBLAS measured ~32 here). A 64 x 64 output tile reads 4 * 64 * K bytes of A and of B and
-// writes 16 KiB of C for 2 * 64 * 64 * K FLOP: 11-14 FLOP/byte for K = 64 .. 256 (K
-// summed over the products), well under the H200's ridge of ~34 (165 TFLOP/s over
-// 4.8 TB/s), so the products are HBM-bound. Per (b, h, chunk) at dk = dv = 128 the forward
-// GEMM moves 176 KiB (Qd, S, P, V in, O out) and the backward's six 672 KiB, i.e. 3.4 GiB
-// at T = 16384, H = 16: ~0.76 ms at 4.8 TB/s (A re-reads by a row's second column tile
-// are L2 hits), against the 1.72 ms of today's cuBLAS FP32 GEMMs.
+// Expected roofline (H100 SXM / H200, 132 SMs, ~1.8 GHz; estimates, not measured): mma.sync
+// m16n8k8 TF32 is 2048 FLOP, and the dense TF32 peak (495 TFLOP/s) is one such mma per SM
+// per clock, of which mma.sync reaches ~60-70% on sm_90 (wgmma the rest). 3 mmas per
+// product make the FP32-equivalent ceiling ~165 TFLOP/s, ~100-110 for mma.sync, against 67
+// for FP32 FFMA (cuBLAS reaches ~32 on these small products). A 64 x 64 output tile reads
+// 4 * 64 * K bytes of A and of B and writes 16 KiB of C for 2 * 64 * 64 * K FLOP: 11-14
+// FLOP/byte for K = 64 .. 256 (K summed over the products), under the H200's ridge of
+// ~34 (165 TFLOP/s over 4.8 TB/s), so the products are HBM-bound: per (b, h, chunk) at
+// dk = dv = 128 the forward GEMM moves 176 KiB (Qd, S, P, V in, O out) and the backward's
+// six 672 KiB, i.e. 3.4 GiB at T = 16384, H = 16, ~0.76 ms at 4.8 TB/s (a column tile's
+// re-read of its A tile is an L2 hit), against the 1.72 ms of today's cuBLAS FP32 GEMMs.
+// The next ceiling is shared-memory bandwidth (128 B per clock per SM): per 32-deep slab a
+// block moves 128 KiB through it (16 KiB cp.async in, 16 KiB gathered by the split, 32 KiB
+// of planes stored, 64 KiB of fragments loaded) for 384 mmas, i.e. ~0.375 mma per clock
+// per SM, ~62 TFLOP/s FP32-equivalent, ~0.9 ms for the same products: the two ceilings are
+// close, so expect ~1 ms, not the HBM floor.
 #pragma once
 
 #include <cstdint>

@@ -33,6 +33,12 @@
 //      values from the raw stage with 32-bit loads and stores two 16-byte groups;
 //   3. mma: per k-step a warp loads its 2 A groups and 2 B pair groups per plane (8
 //      16-byte loads) and issues 2 x 4 x 3 mma.sync.
+// Splitting once per block costs shared-memory traffic: the planes hold two words per
+// element, so a slab moves 128 KiB through shared memory (kernels/gdr_chunk_gemm.h's
+// roofline). Splitting FP32 fragments in each warp at the load instead (as the scan kernel
+// does for its staged operands) would move ~2.7x less for twice the conversions (each
+// element is read by two warps): the A/B to try if the GPU shows this kernel bound by
+// shared memory.
 // Barriers: wait + barrier before step 2 (the slab landed; the previous step 3 is done
 // with the planes), barrier before step 3 (the planes are written). One plane stage and two
 // raw stages: 68 KiB of shared memory, three blocks (12 warps) per SM on sm_90.
