@@ -1,7 +1,9 @@
 // Benchmark of the chunked gated delta rule core on one GPU with step 7 (the inter-chunk
 // state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
-// loop (composite), the scan on tensor cores ("kernel (tc)", the default) and on the FP32
-// SIMT kernel ("kernel (simt)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), and
+// loop (composite), the scan on tensor cores ("kernel (tc ...)", the default) and on the FP32
+// SIMT kernel ("kernel (simt ...)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), the
+// state pass's batched products on the 3xTF32 tensor-core GEMM ("... gemm tc)", the
+// default) and on cuBLAS FP32 ("... cublas)", GDR_CHUNK_GEMM_TC=0, set per arm), and
 // steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
 // through set_gdr_core_prep; all FP32 SIMT, the default, and with tensor-core Gram and dM
 // tiles, "kernel (tc)", GDR_CHUNK_PREP_TC=1, set per arm in this process) against the ATen ops
@@ -36,6 +38,7 @@
 
 #include "bench/cuda_timing.h"
 #include "bench/kernel_profile.h"
+#include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
@@ -105,17 +108,20 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
 
   // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
   // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
-  // SIMT kernel; the prep kernels all FP32 SIMT (the default) and, GDR_CHUNK_PREP_TC=1,
-  // with tensor-core Gram and dM tiles; the first arm is the default configuration, the
-  // last (all ATen) the baseline of the "vs composite" columns.
+  // SIMT kernel, its batched products on the tensor-core GEMM (3xTF32, the default) and,
+  // GDR_CHUNK_GEMM_TC=0, on cuBLAS FP32; the prep kernels all FP32 SIMT (the default) and,
+  // GDR_CHUNK_PREP_TC=1, with tensor-core Gram and dM tiles; the first arm is the default
+  // configuration, the last (all ATen) the baseline of the "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
     bool scan_tc;
     bool prep_tc = false;
+    bool gemm_tc = true;
   };
-  constexpr int kArms = 5;
+  constexpr int kArms = 6;
   const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
@@ -124,12 +130,16 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   const std::string saved_scan_env = scan_env ? scan_env : "";
   const char* prep_env = std::getenv("GDR_CHUNK_PREP_TC");
   const std::string saved_prep_env = prep_env ? prep_env : "";
+  const char* gemm_env = std::getenv("GDR_CHUNK_GEMM_TC");
+  const std::string saved_gemm_env = gemm_env ? gemm_env : "";
   Timings t[kArms];
   for (int i = 0; i < kArms; ++i) {
     set_gdr_core_impl(arms[i].impl);
     set_gdr_core_prep(arms[i].prep);
     setenv("GDR_CHUNK_SCAN_TC", arms[i].scan_tc ? "1" : "0", 1);
     setenv("GDR_CHUNK_PREP_TC", arms[i].prep_tc ? "1" : "0", 1);
+    setenv("GDR_CHUNK_GEMM_TC", arms[i].gemm_tc ? "1" : "0", 1);
+    const int64_t gemm_launches = kernels::chunk_gemm_launch_count();
     forward();
     if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
       std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
@@ -141,6 +151,12 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
       std::fprintf(stderr, "gdr_core_bench: the scan ran on %s, expected %s\n",
                    arms[i].scan_tc ? "SIMT" : "tensor cores",
                    arms[i].scan_tc ? "tensor cores" : "SIMT");
+    }
+    if (arms[i].impl == GdrCoreImpl::kKernel &&
+        (kernels::chunk_gemm_launch_count() != gemm_launches) != arms[i].gemm_tc) {
+      std::fprintf(stderr, "gdr_core_bench: the state pass's products ran on %s, expected %s\n",
+                   arms[i].gemm_tc ? "cuBLAS" : "the tensor-core GEMM",
+                   arms[i].gemm_tc ? "the tensor-core GEMM" : "cuBLAS");
     }
     if (arms[i].prep == GdrCorePrep::kKernel &&
         kernels::chunk_prep_last_used_tensor_cores() != arms[i].prep_tc) {
@@ -163,15 +179,21 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   } else {
     unsetenv("GDR_CHUNK_PREP_TC");
   }
+  if (gemm_env) {
+    setenv("GDR_CHUNK_GEMM_TC", saved_gemm_env.c_str(), 1);
+  } else {
+    unsetenv("GDR_CHUNK_GEMM_TC");
+  }
 
   const double f = forward_flops(B, T, H, dk, dv);
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
   const Timings& base = t[kArms - 1];
   for (int i = 0; i < kArms; ++i) {
     const std::string step7 =
-        std::string(to_string(arms[i].impl)) + (arms[i].impl != GdrCoreImpl::kKernel ? ""
-                                                : arms[i].scan_tc                    ? " (tc)"
-                                                                                     : " (simt)");
+        std::string(to_string(arms[i].impl)) +
+        (arms[i].impl != GdrCoreImpl::kKernel ? ""
+                                              : std::string(arms[i].scan_tc ? " (tc" : " (simt") +
+                                                    (arms[i].gemm_tc ? ", gemm tc)" : ", cublas)"));
     const std::string prep =
         std::string(to_string(arms[i].prep)) +
         (arms[i].prep == GdrCorePrep::kKernel && arms[i].prep_tc ? " (tc)" : "");

@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -113,12 +115,75 @@ kernels::ChunkOperand chunk_operand(const at::Tensor& t, at::Tensor& holder) {
 // [B, H, N, r, c] -> [B*H*N, r, c] for batched matmuls.
 at::Tensor batched(const at::Tensor& t) { return t.reshape({-1, t.size(-2), t.size(-1)}); }
 
+// A [batch, r, c] tensor with unit column stride as a GEMM operand (a batch of one gets
+// batch stride 0, so a size-1 dimension's arbitrary stride does not cost the kernel its
+// 16-byte copies). Must outlive the launch, as the chunk operands' holders.
+kernels::ChunkGemmOperand gemm_operand(const at::Tensor& t3) {
+  return {t3.data_ptr<float>(), t3.size(0) == 1 ? 0 : t3.stride(0), t3.stride(1)};
+}
+
+// One product op(a) op(b) of [batch, r, c] tensors: op(a) = a, or a^T with transpose_a.
+struct GemmTerm {
+  at::Tensor a, b;
+};
+
+// alpha * the sum over the terms (in order) of op(a) op(b), as a fresh contiguous
+// [batch, M, N] tensor computed by `gemm` (the batched products of the scan-based
+// implementation; see the header). Undefined, with nothing launched, when `gemm` is empty
+// or kernels::chunk_gemm_supports refuses the shapes: the caller then runs at::bmm.
+at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool transpose_b,
+                        std::initializer_list<GemmTerm> terms, float alpha = 1.0f) {
+  if (!gemm || terms.size() == 0 || terms.size() > kernels::kChunkGemmMaxProducts) return {};
+  const GemmTerm& first = *terms.begin();
+  const int64_t batch = first.a.size(0);
+  const int64_t m = transpose_a ? first.a.size(2) : first.a.size(1);
+  const int64_t n = transpose_b ? first.b.size(1) : first.b.size(2);
+  const int64_t max_int = std::numeric_limits<int>::max();
+  if (m > max_int || n > max_int) return {};
+  kernels::ChunkGemmArgs args;
+  args.batch = batch;
+  args.m = static_cast<int>(m);
+  args.n = static_cast<int>(n);
+  args.transpose_a = transpose_a;
+  args.transpose_b = transpose_b;
+  args.products = static_cast<int>(terms.size());
+  // Operands with unit column stride: views where the layout allows (all the state pass
+  // hands over), else contiguous copies held here until the launch.
+  std::vector<at::Tensor> held;
+  int p = 0;
+  for (const GemmTerm& term : terms) {
+    const at::Tensor a = term.a.stride(2) == 1 ? term.a : term.a.contiguous();
+    const at::Tensor b = term.b.stride(2) == 1 ? term.b : term.b.contiguous();
+    held.push_back(a);
+    held.push_back(b);
+    const int64_t k = transpose_a ? a.size(1) : a.size(2);
+    TORCH_INTERNAL_ASSERT(
+        a.size(0) == batch && b.size(0) == batch && (transpose_a ? a.size(2) : a.size(1)) == m &&
+        (transpose_b ? b.size(2) : b.size(1)) == k && (transpose_b ? b.size(1) : b.size(2)) == n);
+    if (k > max_int) return {};
+    args.product[p].a = gemm_operand(a);
+    args.product[p].b = gemm_operand(b);
+    args.product[p].k = static_cast<int>(k);
+    ++p;
+  }
+  args.alpha = alpha;
+  args.beta = 0.0f;
+  if (!kernels::chunk_gemm_supports(args)) return {};
+  at::Tensor out = at::empty({batch, m, n}, first.a.options());
+  args.c = out.data_ptr<float>();
+  args.c_stride_batch = out.stride(0);
+  args.c_stride_row = out.stride(1);
+  gemm(args);
+  return out;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
     const at::Tensor& kend, const at::Tensor& g_last,
-    const std::optional<at::Tensor>& initial_state, const ScanLauncher& scan) {
+    const std::optional<at::Tensor>& initial_state, const ScanLauncher& scan,
+    const ChunkGemmLauncher& gemm) {
   check_forward_inputs(u, w, qd, p, kend, g_last, initial_state);
   const int64_t B = u.size(0), H = u.size(1), N = u.size(2), C = u.size(3), dv = u.size(4);
   const int64_t dk = w.size(4);
@@ -151,9 +216,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
   args.carry_final = final_state.data_ptr<float>();
   scan(args);
 
-  // O_n = Qd_n S_n + P_n V_n for every chunk at once.
-  at::Tensor o = at::bmm(batched(qd), batched(states));
-  o.baddbmm_(batched(p), batched(v_new));
+  // O_n = Qd_n S_n + P_n V_n for every chunk at once (one two-product GEMM: all of Qd S's
+  // k, then all of P V's).
+  const at::Tensor qd3 = batched(qd), p3 = batched(p);
+  at::Tensor o = gemm_product(gemm, false, false, {{qd3, batched(states)}, {p3, batched(v_new)}});
+  if (!o.defined()) {
+    o = at::bmm(qd3, batched(states));
+    o.baddbmm_(p3, batched(v_new));
+  }
   return {o.view({B, H, N, C, dv}), final_state, states, v_new};
 }
 
@@ -162,7 +232,7 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
                   const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
                   const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
                   const at::Tensor& g_last, const at::Tensor& states, const at::Tensor& v_new,
-                  const ScanLauncher& scan) {
+                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm) {
   check_backward_inputs(grad_o, grad_final_state, w, qd, p, kend, g_last, states, v_new);
   const int64_t B = w.size(0), H = w.size(1), N = w.size(2), C = w.size(3), dk = w.size(4);
   const int64_t dv = v_new.size(4);
@@ -173,8 +243,12 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   const at::Tensor dO3 = batched(dO);
   // The carry-independent parts of dV_n (P_n^T dO_n) and of g_n (Qd_n^T dO_n), all chunks
   // at once, so the sequential walk only does the two carry products.
-  const at::Tensor pt_do = at::bmm(batched(p).transpose(1, 2), dO3).view({B, H, N, C, dv});
-  const at::Tensor qt_do = at::bmm(batched(qd).transpose(1, 2), dO3);  // [BHN, dk, dv]
+  const at::Tensor p3 = batched(p), qd3 = batched(qd);
+  at::Tensor pt_do = gemm_product(gemm, true, false, {{p3, dO3}});
+  if (!pt_do.defined()) pt_do = at::bmm(p3.transpose(1, 2), dO3);
+  pt_do = pt_do.view({B, H, N, C, dv});
+  at::Tensor qt_do = gemm_product(gemm, true, false, {{qd3, dO3}});  // [BHN, dk, dv]
+  if (!qt_do.defined()) qt_do = at::bmm(qd3.transpose(1, 2), dO3);
   const at::Tensor log_decay = g_last.contiguous();  // the kernel takes exp itself
   const at::Tensor states_c = states.contiguous();
   const at::Tensor grad_final =
@@ -211,13 +285,23 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   scan(args);
 
   const at::Tensor S3 = batched(states_c), G3 = batched(carries), V3 = batched(v_new);
+  const at::Tensor dV3 = batched(du);
   // dW = -dV S^T in one GEMM (alpha = -1, beta = 0: the empty output is never read).
-  at::Tensor dw = at::empty({B * H * N, C, dk}, options);
-  dw.baddbmm_(batched(du), S3.transpose(1, 2), /*beta=*/0.0, /*alpha=*/-1.0);
+  at::Tensor dw = gemm_product(gemm, false, true, {{dV3, S3}}, /*alpha=*/-1.0f);
+  if (!dw.defined()) {
+    dw = at::empty({B * H * N, C, dk}, options);
+    dw.baddbmm_(dV3, S3.transpose(1, 2), /*beta=*/0.0, /*alpha=*/-1.0);
+  }
   dw = dw.view({B, H, N, C, dk});
-  at::Tensor dqd = at::bmm(dO3, S3.transpose(1, 2)).view({B, H, N, C, dk});
-  at::Tensor dp = at::bmm(dO3, V3.transpose(1, 2)).view({B, H, N, C, C});
-  at::Tensor dkend = at::bmm(V3, G3.transpose(1, 2)).view({B, H, N, C, dk});
+  at::Tensor dqd = gemm_product(gemm, false, true, {{dO3, S3}});
+  if (!dqd.defined()) dqd = at::bmm(dO3, S3.transpose(1, 2));
+  dqd = dqd.view({B, H, N, C, dk});
+  at::Tensor dp = gemm_product(gemm, false, true, {{dO3, V3}});
+  if (!dp.defined()) dp = at::bmm(dO3, V3.transpose(1, 2));
+  dp = dp.view({B, H, N, C, C});
+  at::Tensor dkend = gemm_product(gemm, false, true, {{V3, G3}});
+  if (!dkend.defined()) dkend = at::bmm(V3, G3.transpose(1, 2));
+  dkend = dkend.view({B, H, N, C, dk});
   at::Tensor dg_last = dot_partials.sum(-1);
   return {du, dw, dqd, dp, dkend, dg_last, d_initial};
 }

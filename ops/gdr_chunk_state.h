@@ -29,7 +29,8 @@
 // linked through //ops:cuda_ops): FP32, C = 64, dk in {64, 128, 256}, dv a multiple of
 // 16; runs on the current stream; deterministic by construction (no atomics, every sum in
 // a fixed order: see Note [Chunk state scan determinism] in
-// kernels/gdr_chunk_state_kernel.cuh).
+// kernels/gdr_chunk_state_kernel.cuh and Note [Chunk GEMM determinism] in
+// kernels/gdr_chunk_gemm.h for the batched products).
 // Saving S_n from the forward instead of recomputing it costs B*H*N*dk*dv*4 bytes
 // (32 MiB per layer at B=1, T=2048, H=16, dk=dv=128) and saves a whole sequential pass in
 // the backward, the part of this op that cannot use the whole GPU.
@@ -41,6 +42,7 @@
 #include <optional>
 #include <tuple>
 
+#include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_state.h"
 
 namespace gdr {
@@ -79,26 +81,36 @@ void check_backward_inputs(const std::optional<at::Tensor>& grad_o,
 inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 // The scan-based implementation the CUDA op runs, written device-agnostic so that CPU
-// tests can run it with a host emulation of the kernel: `scan` must do what
+// tests can run it with a host emulation of the kernels: `scan` must do what
 // kernels::launch_chunk_state_scan does (on the CUDA op: launch it on the current stream
-// and check the launch). Everything else is ATen: operand layouts, the carry-independent
-// products before the backward scan (P^T dO, Qd^T dO) and the carry-free results after
-// each scan (O; dW, dQd, dP, dKend) as batched matmuls over (b, h, n); dGlast is the sum
-// of the backward scan's per-thread dot partials (one ATen sum, fixed order). The decay
-// exp(g_last) is taken inside the kernel. FP32,
+// and check the launch). Everything else is ATen or `gemm`: operand layouts, the
+// carry-independent products before the backward scan (P^T dO, Qd^T dO) and the carry-free
+// results after each scan (O; dW, dQd, dP, dKend) as batched matmuls over (b, h, n); dGlast
+// is the sum of the backward scan's per-thread dot partials (one ATen sum, fixed order).
+// The decay exp(g_last) is taken inside the kernel. FP32,
 // C = kernels::kChunkStateChunk, kernels::chunk_state_scan_supports(dk, dv); refused
 // otherwise with a message naming `op`.
 using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;
+// The batched products: when `gemm` is set, each product whose arguments
+// kernels::chunk_gemm_supports accepts (every shape the scan supports: M in {64, dk}, N in
+// {dv, dk, 64}, K in {dk, dv, 64}; the [B, H, N] chunks as one batch) goes to `gemm`, which
+// must do what kernels::launch_chunk_gemm does (on the CUDA op: the 3xTF32 tensor-core GEMM
+// on the current stream, GDR_CHUNK_GEMM_TC); O is then one two-product GEMM. Products it
+// does not accept (a batch over 2^31 - 1 blocks), and all of them when `gemm` is empty (the
+// CPU tests, GDR_CHUNK_GEMM_TC=0), run as at::bmm / baddbmm_ (cuBLAS FP32 on CUDA). The
+// results' dtypes, shapes and layouts are the same either way.
+using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
     const at::Tensor& kend, const at::Tensor& g_last,
-    const std::optional<at::Tensor>& initial_state, const ScanLauncher& scan);
+    const std::optional<at::Tensor>& initial_state, const ScanLauncher& scan,
+    const ChunkGemmLauncher& gemm = {});
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 backward_via_scan(const std::optional<at::Tensor>& grad_o,
                   const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
                   const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
                   const at::Tensor& g_last, const at::Tensor& states, const at::Tensor& v_new,
-                  const ScanLauncher& scan);
+                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm = {});
 
 }  // namespace chunk_state_internal
 }  // namespace gdr

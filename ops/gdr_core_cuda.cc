@@ -5,11 +5,13 @@
 // in ops/gdr_chunk_state.cc) with the scan kernel (kernels/gdr_chunk_state.cu) launched
 // on the current stream. The sequential chunk walk is one kernel launch each way;
 // everything that does not depend on the carry (O, P^T dO, Qd^T dO, dW, dQd, dP, dKend)
-// is a handful of batched cuBLAS calls over all (batch, head, chunk), and dGlast one ATen
-// sum of the backward scan's per-thread partials. No atomics anywhere: the kernel's sums
-// are per-thread in fixed order (Note [Chunk state scan determinism]) and the batched
-// products and the dGlast sum are ATen's deterministic ops. Registered for the CUDA
-// dispatch key; linked into CUDA binaries only.
+// is a handful of batched GEMMs over all (batch, head, chunk), on the 3xTF32 tensor-core
+// GEMM kernel (kernels/gdr_chunk_gemm.cu; GDR_CHUNK_GEMM_TC=0: cuBLAS FP32 through
+// at::bmm), and dGlast one ATen sum of the backward scan's per-thread partials. No
+// atomics anywhere: the kernels' sums are per-thread or per-warp in fixed order (Note
+// [Chunk state scan determinism], Note [Chunk GEMM determinism]) and the cuBLAS products
+// and the dGlast sum are ATen's deterministic ops. Registered for the CUDA dispatch key;
+// linked into CUDA binaries only.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_chunk_prep.h"
@@ -61,15 +64,36 @@ void launch_on_current_stream(const kernels::ChunkStateScanArgs& args, const cha
                what);
 }
 
+// GDR_CHUNK_GEMM_TC: the state pass's batched products (O, P^T dO, Qd^T dO, dW, dQd, dP,
+// dKend) on the 3xTF32 tensor-core GEMM (kernels/gdr_chunk_gemm.h; 1 or unset, the
+// default) or as at::bmm, cuBLAS FP32 (0). Read once per op call, before anything runs.
+bool gemm_tensor_cores_allowed() {
+  return tensor_cores_allowed_by("GDR_CHUNK_GEMM_TC", true, "cuBLAS FP32 batched matmuls");
+}
+
+// The GEMM launcher for the state pass (empty: at::bmm), launching on the current stream
+// and raising launch errors. Shapes kernels::chunk_gemm_supports refuses (none that the
+// scan accepts, short of a batch over 2^31 - 1 blocks) stay on at::bmm
+// (chunk_state_internal::gemm_product in ops/gdr_chunk_state.cc).
+chunk_state_internal::ChunkGemmLauncher gemm_launcher(const char* what) {
+  if (!gemm_tensor_cores_allowed()) return {};
+  return [what](const kernels::ChunkGemmArgs& args) {
+    check_launch(kernels::launch_chunk_gemm(args, c10::cuda::getCurrentCUDAStream().stream()),
+                 what);
+  };
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_forward_cuda(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
     const at::Tensor& kend, const at::Tensor& g_last,
     const std::optional<at::Tensor>& initial_state) {
   const c10::cuda::CUDAGuard device_guard(u.device());
-  return chunk_state_internal::forward_via_scan(u, w, qd, p, kend, g_last, initial_state,
-                                                [](const kernels::ChunkStateScanArgs& args) {
-                                                  launch_on_current_stream(args, "forward scan");
-                                                });
+  return chunk_state_internal::forward_via_scan(
+      u, w, qd, p, kend, g_last, initial_state,
+      [](const kernels::ChunkStateScanArgs& args) {
+        launch_on_current_stream(args, "forward scan");
+      },
+      gemm_launcher("forward GEMM"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -79,11 +103,12 @@ chunk_state_backward_cuda(const std::optional<at::Tensor>& grad_o,
                           const at::Tensor& g_last, const at::Tensor& states,
                           const at::Tensor& v_new) {
   const c10::cuda::CUDAGuard device_guard(w.device());
-  return chunk_state_internal::backward_via_scan(grad_o, grad_final_state, w, qd, p, kend, g_last,
-                                                 states, v_new,
-                                                 [](const kernels::ChunkStateScanArgs& args) {
-                                                   launch_on_current_stream(args, "backward scan");
-                                                 });
+  return chunk_state_internal::backward_via_scan(
+      grad_o, grad_final_state, w, qd, p, kend, g_last, states, v_new,
+      [](const kernels::ChunkStateScanArgs& args) {
+        launch_on_current_stream(args, "backward scan");
+      },
+      gemm_launcher("backward GEMM"));
 }
 
 // The chunk prep (steps 1-6): one kernel each way on the current stream; everything else
