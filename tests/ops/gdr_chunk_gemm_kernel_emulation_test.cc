@@ -265,7 +265,7 @@ std::vector<GemmCase> gemm_cases() {
   std::vector<GemmCase> cases;
   // The chunk state pass's products (ops/gdr_chunk_state.cc), C = 64 rows per chunk, two
   // chunks in the batch.
-  for (const auto [dk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{256, 128}}) {
+  for (const auto& [dk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{256, 128}}) {
     const std::string s = "_dk" + std::to_string(dk) + "_dv" + std::to_string(dv);
     cases.push_back({"o_QdS_plus_PV" + s, 2, 64, dv, false, false, dk, 64});
     cases.push_back({"PT_dO" + s, 2, 64, dv, true, false, 64, 0});
