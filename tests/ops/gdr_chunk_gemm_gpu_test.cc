@@ -34,13 +34,7 @@ const auto kCuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
 using test_support::bitwise_equal;
 using test_support::error_of;
 
-// Selects the state pass's GEMMs for its lifetime ("1" the kernel, "0" at::bmm, or a value
-// the op refuses).
-class ScopedGemmKernel : public test_support::ScopedEnv {
- public:
-  explicit ScopedGemmKernel(bool tensor_cores) : ScopedGemmKernel(tensor_cores ? "1" : "0") {}
-  explicit ScopedGemmKernel(const char* value) : ScopedEnv("GDR_CHUNK_GEMM_TC", value) {}
-};
+using ScopedGemmKernel = test_support::ScopedKernelSwitch<test_support::kGemmSwitch>;
 
 // ---------------------------------------------------------------------------
 // The launcher against FP64

@@ -132,13 +132,7 @@ TEST(ChunkPrepGpu, ForwardAndBackwardMatchTheFp64CpuReference) {
   }
 }
 
-// Selects the prep kernels for its lifetime ("1" tensor cores, "0" SIMT, or a value the op
-// refuses).
-class ScopedPrepVariant : public test_support::ScopedEnv {
- public:
-  explicit ScopedPrepVariant(bool tensor_cores) : ScopedPrepVariant(tensor_cores ? "1" : "0") {}
-  explicit ScopedPrepVariant(const char* value) : ScopedEnv("GDR_CHUNK_PREP_TC", value) {}
-};
+using ScopedPrepVariant = test_support::ScopedKernelSwitch<test_support::kPrepSwitch>;
 
 const char* prep_variant_name(bool tensor_cores) {
   return tensor_cores ? "tensor-core prep" : "SIMT prep";

@@ -34,13 +34,7 @@ const auto kCuda = at::TensorOptions().device(at::kCUDA);
 using test_support::bitwise_equal;
 using test_support::error_of;
 
-// Selects the scan kernel for its lifetime ("1" tensor cores, "0" SIMT, or a value the op
-// refuses).
-class ScopedScanKernel : public test_support::ScopedEnv {
- public:
-  explicit ScopedScanKernel(bool tensor_cores) : ScopedScanKernel(tensor_cores ? "1" : "0") {}
-  explicit ScopedScanKernel(const char* value) : ScopedEnv("GDR_CHUNK_SCAN_TC", value) {}
-};
+using ScopedScanKernel = test_support::ScopedKernelSwitch<test_support::kScanSwitch>;
 
 const char* scan_kernel_name(bool tensor_cores) {
   return tensor_cores ? "tensor-core scan" : "SIMT scan";

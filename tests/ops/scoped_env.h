@@ -32,4 +32,18 @@ class ScopedEnv {
   std::string previous_;
 };
 
+// A tensor-core kernel switch of the op layer (GDR_CHUNK_SCAN_TC, GDR_CHUNK_PREP_TC,
+// GDR_CHUNK_GEMM_TC: "1" tensor cores, "0" the other kernels) for its lifetime, or a value
+// the op must refuse.
+template <const char* kVariable>
+class ScopedKernelSwitch : public ScopedEnv {
+ public:
+  explicit ScopedKernelSwitch(bool tensor_cores) : ScopedKernelSwitch(tensor_cores ? "1" : "0") {}
+  explicit ScopedKernelSwitch(const char* value) : ScopedEnv(kVariable, value) {}
+};
+
+inline constexpr char kScanSwitch[] = "GDR_CHUNK_SCAN_TC";
+inline constexpr char kPrepSwitch[] = "GDR_CHUNK_PREP_TC";
+inline constexpr char kGemmSwitch[] = "GDR_CHUNK_GEMM_TC";
+
 }  // namespace gdr::test_support
