@@ -420,16 +420,7 @@ __device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, cons
     Acc3 acc;
     zero(acc);
 #pragma unroll 4
-    for (int k0 = 0; k0 < dk; k0 += 8) {
-      uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
-      split_tf32(a_rows[k0], a_big[0], a_small[0]);
-      split_tf32(a_rows[8 * a_pitch + k0], a_big[1], a_small[1]);
-      split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
-      split_tf32(a_rows[8 * a_pitch + k0 + 4], a_big[3], a_small[3]);
-      split_tf32(b_rows[k0], b_big[0], b_small[0]);
-      split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
-      mma_3xtf32(acc, a_big, a_small, b_big, b_small);
-    }
+    for (int k0 = 0; k0 < dk; k0 += 8) mma_tf32::mma_3xtf32_rows(acc, a_rows, a_pitch, b_rows, k0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
@@ -760,14 +751,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
           const float* a_rows = rs + (16 * rb + g) * rp + c0 + t;
           const float* b_rows = xs + (8 * cb + g) * xp + t;
           for (int k0 = 0; k0 < width; k0 += 8) {
-            uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
-            split_tf32(a_rows[k0], a_big[0], a_small[0]);
-            split_tf32(a_rows[8 * rp + k0], a_big[1], a_small[1]);
-            split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
-            split_tf32(a_rows[8 * rp + k0 + 4], a_big[3], a_small[3]);
-            split_tf32(b_rows[k0], b_big[0], b_small[0]);
-            split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
-            mma_3xtf32(tc_acc[u], a_big, a_small, b_big, b_small);
+            mma_tf32::mma_3xtf32_rows(tc_acc[u], a_rows, rp, b_rows, k0);
           }
         }
       } else {

@@ -82,4 +82,20 @@ __device__ __forceinline__ float total(const Acc3& acc, int e) {
   return acc.big[e] + (acc.lo_a[e] + acc.lo_b[e]);
 }
 
+// The k-slice k0 .. k0 + 7 of one 16 x 8 tile with both operands as FP32 rows in shared
+// memory (A row-major with pitch a_pitch, B stored as B^T: row n holds B[.][n]), split at
+// the reader. a_rows points at A's row g, column t of the tile, b_rows at B^T's row g,
+// column t (g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void mma_3xtf32_rows(Acc3& acc, const float* a_rows, int a_pitch,
+                                                const float* b_rows, int k0) {
+  uint32_t a_big[4], a_small[4], b_big[2], b_small[2];
+  split_tf32(a_rows[k0], a_big[0], a_small[0]);
+  split_tf32(a_rows[8 * a_pitch + k0], a_big[1], a_small[1]);
+  split_tf32(a_rows[k0 + 4], a_big[2], a_small[2]);
+  split_tf32(a_rows[8 * a_pitch + k0 + 4], a_big[3], a_small[3]);
+  split_tf32(b_rows[k0], b_big[0], b_small[0]);
+  split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
+  mma_3xtf32(acc, a_big, a_small, b_big, b_small);
+}
+
 }  // namespace gdr::kernels::mma_tf32
