@@ -3,12 +3,13 @@
 // which wraps the body in a __global__ kernel with dynamic shared memory, and by the CPU
 // test //tests/ops:gdr_chunk_gemm_kernel_emulation_test, which runs this very code with
 // one host thread per CUDA thread.
-// NOTE: keep this file free of other includes (besides kernels/mma_tf32.cuh) and of CUDA
-// APIs beyond __device__, __forceinline__, __syncthreads, threadIdx, blockIdx and fmaf, and
-// of the helpers below and in kernels/mma_tf32.cuh (tf32_round, tf32_as_float,
-// mma_m16n8k8_tf32, cp_async_16, cp_async_4, cp_async_wait_all): the emulation test
-// defines the built-ins, defines GDR_CHUNK_GEMM_HOST_HELPERS (which implies
-// GDR_MMA_TF32_HOST_HELPERS) and supplies host stand-ins for the helpers (the mma as a
+// NOTE: keep this file free of other includes (besides kernels/mma_tf32.cuh and
+// kernels/cp_async.cuh) and of CUDA APIs beyond __device__, __forceinline__, __syncthreads,
+// threadIdx, blockIdx and fmaf, and of the helpers below and in kernels/mma_tf32.cuh and
+// kernels/cp_async.cuh (tf32_round, tf32_as_float, mma_m16n8k8_tf32, cp_async_16,
+// cp_async_4, cp_async_wait_all): the emulation test defines the built-ins, defines
+// GDR_CHUNK_GEMM_HOST_HELPERS (which implies GDR_MMA_TF32_HOST_HELPERS and
+// GDR_CP_ASYNC_HOST_HELPERS) and supplies host stand-ins for the helpers (the mma as a
 // warp-collective exchange through a per-warp scratch and barrier).
 //
 // Note [Chunk GEMM tiling]
@@ -60,7 +61,9 @@
 
 #ifdef GDR_CHUNK_GEMM_HOST_HELPERS
 #define GDR_MMA_TF32_HOST_HELPERS
+#define GDR_CP_ASYNC_HOST_HELPERS
 #endif
+#include "kernels/cp_async.cuh"
 #include "kernels/mma_tf32.cuh"
 
 namespace gdr::kernels::chunk_gemm_detail {
@@ -70,31 +73,6 @@ using mma_tf32::mma_3xtf32;
 using mma_tf32::split_tf32;
 using mma_tf32::total;
 using mma_tf32::zero;
-
-#ifndef GDR_CHUNK_GEMM_HOST_HELPERS
-// Asynchronous global -> shared copies (sm_80+ cp.async, no registers involved) of 16
-// bytes (both addresses 16-byte aligned) or 4 bytes, and the wait for all of this thread's
-// copies; a __syncthreads after the wait makes them visible to the block.
-__device__ __forceinline__ void cp_async_16(float* smem_dst, const float* gmem_src) {
-#if defined(__CUDA_ARCH__)
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_4(float* smem_dst, const float* gmem_src) {
-#if defined(__CUDA_ARCH__)
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem_src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-#endif  // GDR_CHUNK_GEMM_HOST_HELPERS
 
 constexpr int kTileM = kChunkGemmTileM;
 constexpr int kTileN = kChunkGemmTileN;
