@@ -46,7 +46,7 @@ void launch(const ChunkStateScanArgs& args, const dim3 grid, bool tensor_cores,
             CUstream_st* stream) {
   if (tensor_cores) {
     chunk_state_tc_detail::chunk_state_scan_tc_kernel<DK>
-        <<<grid, kChunkStateTcThreads, chunk_state_tc_detail::TcLayout<DK>::kBytes, stream>>>(args);
+        <<<grid, kChunkStateThreads, chunk_state_tc_detail::TcLayout<DK>::kBytes, stream>>>(args);
   } else {
     chunk_state_detail::chunk_state_scan_kernel<DK><<<grid, kChunkStateThreads, 0, stream>>>(args);
   }
@@ -62,9 +62,9 @@ int launch_chunk_state_scan(const ChunkStateScanArgs& args, CUstream_st* stream)
       args.g_last == nullptr || (args.dot_with == nullptr) != (args.dot_out == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  // One block per (batch*head, dv tile) for both kernels (256 threads SIMT, 512 tensor
-  // cores): B=1, H=16, dv=128 gives 128 blocks, about one per SM of an H200; the chunk
-  // walk inside a block is the sequential part.
+  // One block per (batch*head, dv tile) for both kernels: B=1, H=16, dv=128 gives 128
+  // blocks, about one per SM of an H200; the chunk walk inside a block is the sequential
+  // part.
   const int64_t blocks = args.batch_heads * (args.dv / kChunkStateTileDv);
   if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
   const dim3 grid(static_cast<unsigned int>(blocks));

@@ -23,9 +23,8 @@
 // extra, g_last, carry_in, rows_out, carries_out, carry_final, dot_with, dot_out are
 // contiguous FP32.
 // The launcher runs on the stream it is given. Results are deterministic: every output
-// element is one thread's fixed-order FP32 sum (SIMT kernel) or one or two warps' fixed
-// sequences of 3xTF32 mma instructions added in a fixed order (tensor-core kernel), with
-// no atomics.
+// element is one thread's fixed-order FP32 sum (SIMT kernel) or one warp's fixed sequence
+// of 3xTF32 mma instructions (tensor-core kernel), with no atomics.
 //
 // Two kernels compute the same contract (see the Notes in kernels/gdr_chunk_state_kernel.cuh
 // and kernels/gdr_chunk_state_tc_kernel.cuh): the tensor-core kernel (mma.sync m16n8k8
@@ -47,10 +46,7 @@ namespace gdr::kernels {
 
 constexpr int kChunkStateChunk = 64;     // C: chunk length the kernel is built for
 constexpr int kChunkStateTileDv = 16;    // dv columns of the carry held by one block
-constexpr int kChunkStateThreads = 256;  // threads per block (SIMT), dGlast partial slots
-// Threads per block of the tensor-core kernel (16 warps; it writes the same 256 dGlast
-// partial slots per block as the SIMT kernel, from its threads 256..511).
-constexpr int kChunkStateTcThreads = 512;
+constexpr int kChunkStateThreads = 256;  // threads per block
 
 // dk is a template parameter of the kernel (register arrays); dv only needs to split
 // into whole column tiles.
@@ -83,10 +79,9 @@ struct ChunkStateScanArgs {
   float* rows_out = nullptr;        // [BH, N, C, dv]: R_n
   float* carries_out = nullptr;     // [BH, N, dk, dv]: the carry entering chunk n
   float* carry_final = nullptr;     // [BH, dk, dv]: the carry after the last step
-  // Optional (both or neither): dot_out[((bh * N + n) * (dv / 16) + tile) * 256 + slot]
+  // Optional (both or neither): dot_out[((bh * N + n) * (dv / 16) + tile) * 256 + thread]
   // = decay_n * sum over m < dk / 16 (in order) of dot_with_n[i, j] * X[i, j] with
-  // i = slot / 16 + 16 m and j = tile * 16 + slot % 16, X the carry entering chunk n (both
-  // kernels; slot = the SIMT kernel's thread, the tensor-core kernel's thread - 256).
+  // i = thread / 16 + 16 m and j = tile * 16 + thread % 16, X the carry entering chunk n.
   // Summing a (bh, n)'s dv / 16 * 256 partials gives decay_n * <dot_with_n, X>.
   const float* dot_with = nullptr;  // [BH, N, dk, dv]
   float* dot_out = nullptr;         // [BH, N, dv / 16, 256]
@@ -94,10 +89,10 @@ struct ChunkStateScanArgs {
   bool allow_tensor_cores = true;
 };
 
-// Whether launch_chunk_state_scan runs the tensor-core kernel (kChunkStateTcThreads
-// threads per block) for these shapes (given a supported shape, a device that grants its dynamic
-// shared memory: 104 KiB for dk = 64, 186 KiB for dk = 128, 219 KiB for dk = 256, so sm_90 parts
-// for all three, sm_80 for dk = 64 only; elsewhere the SIMT kernel runs).
+// Whether launch_chunk_state_scan runs the tensor-core kernel for these shapes (given a
+// supported shape, a device that grants its dynamic shared memory: 104 KiB for dk = 64,
+// 186 KiB for dk = 128, 219 KiB for dk = 256, so sm_90 parts for all three, sm_80 for
+// dk = 64 only; elsewhere the SIMT kernel runs).
 inline bool chunk_state_scan_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
   return allow_tensor_cores && (dk == 64 || dk == 128 || dk == 256) && dv > 0 &&
          dv % kChunkStateTileDv == 0;

@@ -19,45 +19,30 @@
 // U = right^T @ R ([dk x 64] @ [64 x 16]), run as warp-level mma.sync m16n8k8 TF32 with
 // FP32 accumulation, each FP32 operand split into big and small TF32 parts and three
 // accumulators per output tile (Note [3xTF32 products] in kernels/mma_tf32.cuh; the three
-// chains are independent): FP32-level accuracy, and every output element is one or two
-// warps' fixed sequences of mma instructions on fixed inputs, the two added in one fixed
-// order (below), so the bits do not depend on scheduling.
+// chains are independent, so the chain is DK / 8 mma long, not 3 DK / 8): FP32-level
+// accuracy, and every output element is one warp's fixed sequence of mma instructions on
+// fixed inputs, so the bits do not depend on scheduling.
 //
-// Block: one (batch*head, 16-column dv tile), 512 threads = 16 warps (twice the SIMT
-// kernel's 256, so each chunk's mma work spreads over twice the warps), the same grid and
-// dv tiles as the SIMT kernel (128 blocks at B=1, H=16, dv=128). Work split:
-//   R [64 x 16]:  warp w owns rows 8 (w % 8) .. 8 (w % 8) + 7 (all 16 columns), computed
-//                 as the 16 x 8 tile R^T = X^T @ left^T (A = X^T, B = left^T: each left
-//                 element is split by one warp; a_small b_big is then X_small left_big,
-//                 which only swaps the two commuting terms of lo_a + lo_b), summing over
-//                 one half of dk: k in [h DK / 2, (h + 1) DK / 2), h = w / 8 (DK / 16
-//                 k-steps, 3 mma each). Cross-warp combine, one fixed order: warp w + 8
-//                 stores total(acc) (its half's big + (lo_a + lo_b)) to r_s, barrier, and
-//                 warp w forms R = base + left_sign * (total(own acc) + r_s value), i.e.
-//                 (k in the low half) + (k in the high half), and stores R to r_s and the
-//                 R planes.
-//   X' [dk x 16]: dk 128 / 256: warp w owns kMt x kNt 16 x 8 tiles (128: 1 x 1, 256:
-//                 1 x 2, the two n-tiles sharing one A split), summing over the 64 chunk
-//                 rows (8 k-steps). dk 64 (8 tiles): warps w and w + 8 (w < 8) share
-//                 tile w, each summing one half of the chunk rows (c in [32 h, 32 h + 32),
-//                 4 k-steps); warp w + 8 stores total(acc) to x_s (free then: its last
-//                 reads, carries_out and the dGlast partials, were before phase B's
-//                 opening barrier), barrier, and warp w adds it in one fixed order:
-//                 decay X + extra + right_sign * (total(own acc) + x_s value). The carry X
-//                 lives in the owning warps' registers (warps 0..7 for dk 64, all 16
-//                 otherwise) in the mma accumulator layout (FP32, never rounded to TF32),
-//                 and is copied to shared memory x_s once per chunk for the next R
-//                 product, carries_out and the dGlast partials.
-// Every output element is thus one or two warps' fixed sequences of mma instructions on
-// fixed inputs, added in the fixed order above: the bits do not depend on scheduling.
+// Block: one (batch*head, 16-column dv tile), 256 threads = 8 warps, the same grid and
+// dv tiles as the SIMT kernel (128 blocks at B=1, H=16, dv=128). Work split, no
+// cross-warp reduction anywhere:
+//   R [64 x 16]:  warp w owns rows 8 w .. 8 w + 7 (all 16 columns), computed as the
+//                 16 x 8 tile R^T = X^T @ left^T (A = X^T, B = left^T: each left element
+//                 is split by one warp), summing over all of dk (DK / 8 k-steps, 3 mma
+//                 each; a_small b_big is then X_small left_big, which only swaps the
+//                 two commuting terms of lo_a + lo_b);
+//   X' [dk x 16]: warp w owns kMt x kNt 16 x 8 tiles (dk 64: 1 x 1, 128: 1 x 2,
+//                 256: 2 x 2), summing over the 64 chunk rows (8 k-steps). The carry X
+//                 lives in those warps' registers in the mma accumulator layout (FP32,
+//                 never rounded to TF32), and is copied to shared memory x_s once per
+//                 chunk for the next R product, carries_out and the dGlast partials.
 // Shared memory (dynamic): kStages operand stages, each left_s [64][DK + 4] and right_s
 // [64][DK + 8] (a whole chunk of each operand; 2 stages for dk 64 and 128, 1 for dk 256,
-// whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32; they double
-// as the cross-warp partial buffers above, no extra space), and the same values split
-// once into TF32 big / small planes by the warp that produces them (every x element is
-// read by 8 warps, as A of R^T, and every R element by 8 or 16, as B of X', so splitting
-// at the reader converted them that many times over): x_big / x_small [DK][24] with
-// column j at 2 (j % 8) + j / 8, r_big / r_small [32][40] with R[c][j] in row-pair
+// whose two would not fit in 227 KiB), x_s [DK][24] and r_s [64][24] (FP32), and the
+// same values split once into TF32 big / small planes by the warp that produces them
+// (all 8 warps read each x element, as A of R^T, and each R element, as B of X', so
+// splitting at the reader converted them 8x over): x_big / x_small [DK][24] with column
+// j at 2 (j % 8) + j / 8, r_big / r_small [32][40] with R[c][j] in row-pair
 // 4 (c / 8) + c % 4 at 2 j + (c % 8) / 4, so an A fragment's (a0, a1) and (a2, a3) of X^T
 // and a B fragment's (b0, b1) of R are each one 64-bit load into the mma's operand
 // registers. The pitches make every fragment load conflict-free (g = lane / 4,
@@ -65,22 +50,17 @@
 // right_s (right^T) rows t, columns g (bank 8 t + g), the 64-bit plane loads (per half
 // warp) rows t, words 2 g + {0, 1} (banks 24 t or 40 t, + 2 g + {0, 1} mod 32).
 // Per chunk with two stages: the next chunk's `left` and `right` stream from global
-// memory into the other stage (cp.async, all 512 threads) during the whole chunk; phase A
-// (R) reads left_s and the x planes, warps 8..15 store their partials to r_s; barrier;
-// warps 0..7 combine and store R to r_s and the R planes while warps 8..15 write
-// carries_out and the dGlast partials; barrier; phase B (X') reads right_s and the R
-// planes (dk 64: partials through x_s, barrier, combine), stores the new carry to x_s and
-// the x planes; wait + barrier. With one stage (dk 256): phase A overlaps the chunk's
-// `right` load, phase B the next `left` load, each phase ending in wait + barrier. Three
-// barriers per chunk (four for dk 64), and no operand load holds registers. The chunk's
-// dot_with and extra elements (dk <= 128) are read from global memory before phase A's
-// mma loop, so their latency hides behind it. Outputs: rows_out and carry_final are
-// written from r_s / x_s by all 512 threads (element e = tid + 512 u of the [rows x 16]
-// tile, row e / 16, column e % 16); carries_out and the dGlast partials by warps 8..15
-// with the SIMT kernel's 256-thread element-to-slot maps (slot s = tid - 256, element
-// e = s + 256 u, row e / 16, column e % 16), so dot_out keeps its exact slot layout
-// (kernels/gdr_chunk_state.h, chunk_state_dot_partials): slot s's partial is decay * sum
-// over u in order of dot_with * X at row s / 16 + 16 u, column s % 16.
+// memory into the other stage (cp.async) during the whole chunk; phase A (R) reads left_s
+// and the x planes, stores R to r_s and the R planes; barrier; phase B (X') reads right_s
+// and the R planes, stores the new carry to x_s and the x planes; wait + barrier. With
+// one stage (dk 256): phase A overlaps the chunk's `right` load, phase B the next `left`
+// load, each phase ending in wait + barrier. Two barriers per chunk either way, and no operand load
+// holds registers. The chunk's dot_with and extra elements (dk <= 128) are read from global memory
+// before phase A's mma loop, so their latency hides behind it. Outputs: carries_out, rows_out,
+// carry_final and the dGlast partials are written from x_s / r_s with the SIMT kernel's
+// element-to-thread maps (element e = tid + 256 u of the [rows x 16] tile, row e / 16, column e %
+// 16), so dot_out keeps its exact slot layout (kernels/gdr_chunk_state.h): thread tid's partial is
+// decay * sum over u in order of dot_with * X at row tid / 16 + 16 u, column tid % 16.
 #pragma once
 
 #include "kernels/gdr_chunk_state.h"
@@ -110,15 +90,13 @@ __device__ __forceinline__ float* chunk_state_tc_shared() {
 
 constexpr int kC = kChunkStateChunk;
 constexpr int kTile = kChunkStateTileDv;
-constexpr int kThreads = kChunkStateTcThreads;  // 512
-constexpr int kWarps = kThreads / 32;           // 16
-constexpr int kSlots = kChunkStateThreads;      // dGlast partial slots per block (256)
-constexpr int kPitchTile = kTile + 8;           // x_s and r_s rows, in floats
-constexpr int kPitchXPlane = kTile + 8;         // x_big / x_small rows (16 used)
-constexpr int kPitchRPlane = 2 * kTile + 8;     // r_big / r_small rows (row pairs, 32 used)
-constexpr int kMaxSharedBytes = 227 * 1024;     // sm_90's opt-in limit per block
-static_assert(kC == 64 && kTile == 16 && kThreads == 512 && kSlots == 256,
-              "the warp split assumes these");
+constexpr int kThreads = kChunkStateThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPitchTile = kTile + 8;        // x_s and r_s rows, in floats
+constexpr int kPitchXPlane = kTile + 8;      // x_big / x_small rows (16 used)
+constexpr int kPitchRPlane = 2 * kTile + 8;  // r_big / r_small rows (row pairs, 32 used)
+constexpr int kMaxSharedBytes = 227 * 1024;  // sm_90's opt-in limit per block
+static_assert(kC == 64 && kTile == 16 && kThreads == 256, "the warp split assumes these");
 
 // Two adjacent 32-bit words (one 64-bit shared load).
 struct alignas(8) U32x2 {
@@ -173,28 +151,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kPL = L::kPitchLeft, kPR = L::kPitchRight, kPX = kPitchTile;
   constexpr int kPXP = kPitchXPlane, kPRP = kPitchRPlane;
   constexpr int kStages = L::kStages;
-  // R split: warp w owns R rows 8 (w % 8) + [0, 8) over the dk half w / 8.
-  constexpr int kAHalfK = DK / 2;
-  // X' split: the chunk rows in kBSplit parts (dk 64: 2, warps w and w + 8 share a tile),
-  // kBWarps warps per part, kNt n-tiles (8 columns) and kMt m-tiles (16 rows) per warp.
-  constexpr int kBSplit = DK == 64 ? 2 : 1;
-  constexpr int kBWarps = kWarps / kBSplit;
-  constexpr int kBRows = kC / kBSplit;
-  constexpr int kNt = DK >= 256 ? 2 : 1;
-  constexpr int kWarpsPerColumnGroup = kBWarps * kNt / 2;  // warps sharing x_col0
+  // X' split: kNt n-tiles (8 columns) and kMt m-tiles (16 rows) per warp.
+  constexpr int kNt = DK >= 128 ? 2 : 1;
+  constexpr int kWarpsPerColumnGroup = kWarps * kNt / 2;  // warps sharing x_col0
   constexpr int kMt = DK / 16 / kWarpsPerColumnGroup;
   constexpr int kLoads = kC * DK / kThreads;  // floats per thread per staged operand
   constexpr int kQuadsPerRow = DK / 4;
-  constexpr int kSlotElems = DK * kTile / kSlots;    // carry elements per dGlast slot
-  constexpr int kTileElems = DK * kTile / kThreads;  // carry elements per thread (carry_final)
-  constexpr int kRowElems = kC * kTile / kThreads;   // R elements per thread (rows_out)
+  constexpr int kTileElems = DK * kTile / kThreads;  // carry elements per thread (x_s maps)
+  constexpr int kRowElems = kC * kTile / kThreads;   // R elements per thread (r_s maps)
   // Whether the chunk's dot_with and extra elements are loaded before phase A's mma loop
   // (their global latency then hides behind it); dk 256 has no registers to spare.
   constexpr bool kEarly = DK <= 128;
   static_assert(kMt >= 1 && kMt * kWarpsPerColumnGroup * 16 == DK, "X' rows split over warps");
-  static_assert(kBRows % 8 == 0 && kAHalfK % 8 == 0, "whole k-steps per part");
   static_assert(kLoads % 4 == 0 && kTileElems >= 1 && kRowElems >= 1, "even splits");
-  static_assert(kWarps == 16 && kThreads - kSlots == kSlots, "warps 8..15 own the slots");
 
   float* const smem = chunk_state_tc_shared();
   float* const x_s = smem + L::kX;  // [i][j]: the carry entering the chunk
@@ -220,23 +189,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t dv = args.dv;
   const int64_t state_size = static_cast<int64_t>(DK) * dv;
-  // Phase A: the dk half a_half of R rows r_row0 + [0, 8) (R^T tile: all 16 columns);
-  // warps 0..7 (a_half 0) combine, warps 8..15 (a_half 1, threads kSlots..) then write
-  // carries_out and the dGlast partial of slot `slot`.
-  const int a_half = warp / 8;
-  const int r_row0 = 8 * (warp % 8);
-  const int slot = tid - kSlots;  // valid where a_half == 1
+  // R rows of this warp (R^T tile: all 16 columns x rows r_row0 + [0, 8)); X' tiles: rows
+  // x_row0 + 16 kWarpsPerColumnGroup q + [0, 16), columns x_col0 + 8 p + [0, 8).
+  const int r_row0 = 8 * warp;
   // R element e of this lane's accumulator: row r_row(e), column r_col(e).
   auto r_row = [&](int e) { return r_row0 + 2 * t + e % 2; };
   auto r_col = [&](int e) { return g + 8 * (e / 2); };
-  // Phase B: chunk rows b_half kBRows + [0, kBRows); X' tiles: rows
-  // x_row0 + 16 kWarpsPerColumnGroup q + [0, 16), columns x_col0 + 8 p + [0, 8). The
-  // b_half 0 warps own the carry.
-  const int b_half = warp / kBWarps;
-  const bool owner = b_half == 0;
-  const int bw = warp % kBWarps;
-  const int x_row0 = 16 * (bw % kWarpsPerColumnGroup);
-  const int x_col0 = 8 * kNt * (bw / kWarpsPerColumnGroup);
+  const int x_row0 = 16 * (warp % kWarpsPerColumnGroup);
+  const int x_col0 = 8 * kNt * (warp / kWarpsPerColumnGroup);
   auto x_row = [&](int q, int e) {
     return x_row0 + 16 * kWarpsPerColumnGroup * q + g + 8 * (e / 2);
   };
@@ -284,13 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  // Offset of element u of slot `slot`'s map of a [rows x 16] tile (element slot + u kSlots:
-  // row slot / 16 + 16 u, column slot % 16) in a [rows x dv] matrix at column col0:
-  // slot_at + u slot_pass (meaningful where a_half == 1).
-  const int64_t slot_at = (slot / kTile) * dv + col0 + slot % kTile;
-  const int64_t slot_pass = (kSlots / kTile) * dv;
-  // The same for this thread's element u of the 512-thread map (element tid + u kThreads:
-  // row tid / 16 + 32 u, column tid % 16): tile_at + u tile_pass.
+  // Offset of this thread's element u of a [rows x 16] tile (element tid + u kThreads: row
+  // tid / 16 + 16 u, column tid % 16) in a [rows x dv] matrix at column col0: tile_at +
+  // u tile_pass.
   const int64_t tile_at = (tid / kTile) * dv + col0 + tid % kTile;
   const int64_t tile_pass = (kThreads / kTile) * dv;
   // Offset of this lane's X' accumulator element (q, p, e) in a [dk x dv] matrix:
@@ -299,8 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto x_row_off = [](int q, int e) { return 16 * kWarpsPerColumnGroup * q + 8 * (e / 2); };
   auto x_col_off = [](int p, int e) { return 8 * p + e % 2; };
 
-  // The carry (owners only), in the accumulator layout of this warp's X' tiles; put_carry
-  // publishes one element to x_s and the x planes.
+  // The carry, in the accumulator layout of this warp's X' tiles; put_carry publishes one
+  // element to x_s and the x planes.
   float carry[kMt][kNt][4];
   auto put_carry = [&](int q, int p, int e, float x) {
     x_s[x_row(q, e) * kPX + x_col(p, e)] = x;
@@ -313,10 +269,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         carry[q][p][e] =
-            owner && args.carry_in
-                ? args.carry_in[bh * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
-                : 0.0f;
-        if (owner) put_carry(q, p, e, carry[q][p][e]);
+            args.carry_in ? args.carry_in[bh * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
+                          : 0.0f;
+        put_carry(q, p, e, carry[q][p][e]);
       }
     }
   }
@@ -347,25 +302,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       stage(args.right, right_quads, n, right_of(0), kPR);
     }
-    // base at R element e (the combining warps 0..7): rows r_row(0) + e % 2, columns
-    // r_col(0) + 8 (e / 2).
+    // base at R element e: rows r_row(0) + e % 2, columns r_col(0) + 8 (e / 2).
+    const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n +
+                        r_row(0) * args.base.stride_row + col0 + r_col(0);
     float base_v[4];
-    if (a_half == 0) {
-      const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n +
-                          r_row(0) * args.base.stride_row + col0 + r_col(0);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) base_v[e] = base[(e % 2) * args.base.stride_row + 8 * (e / 2)];
-    }
+    for (int e = 0; e < 4; ++e) base_v[e] = base[(e % 2) * args.base.stride_row + 8 * (e / 2)];
     const float decay = expf(args.g_last[bhn]);
-    // dot_with at slot `slot`'s carries_out map (warps 8..15), and extra at this warp's X'
-    // tiles (owners; read early when kEarly, else where they are used).
-    float dot_v[kSlotElems];
+    // dot_with at the carries_out maps, and extra at this warp's X' tiles (read early when
+    // kEarly, else where they are used).
+    float dot_v[kTileElems];
     auto load_dot = [&]() {
-      int64_t at = bhn * state_size + slot_at;
+      int64_t at = bhn * state_size + tile_at;
 #pragma unroll
-      for (int u = 0; u < kSlotElems; ++u) {
+      for (int u = 0; u < kTileElems; ++u) {
         dot_v[u] = args.dot_with ? args.dot_with[at] : 0.0f;
-        at += slot_pass;
+        at += tile_pass;
       }
     };
     float extra_v[kMt][kNt][4];
@@ -385,22 +337,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     if (kEarly) {
-      if (a_half == 1) load_dot();
-      if (owner) load_extra();
+      load_dot();
+      load_extra();
     }
 
     {
       Acc3 acc;
       zero(acc);
-      // R^T = X^T @ left^T over k in [k_lo, k_lo + DK / 2): A = X^T (A[j][k] = x[k][j]),
-      // B = left^T (B[k][c] = left_s[c][k]), so each left element is split by the one warp
-      // that owns its row and dk half.
-      const int k_lo = a_half * kAHalfK;
-      // a0 = X[k0 + t][g], a1 = X[k0 + t][g + 8]: adjacent.
-      const int a_at = x_at(k_lo + t, g);
-      const float* b_rows = left_s + (r_row0 + g) * kPL + k_lo + t;
+      // R^T = X^T @ left^T: A = X^T (A[j][k] = x[k][j]), B = left^T (B[k][c] =
+      // left_s[c][k]), so each left element is split by the one warp that owns its row.
+      const int a_at = x_at(t, g);  // a0 = X[k0 + t][g], a1 = X[k0 + t][g + 8]: adjacent
+      const float* b_rows = left_s + (r_row0 + g) * kPL + t;
 #pragma unroll 4
-      for (int k0 = 0; k0 < kAHalfK; k0 += 8) {
+      for (int k0 = 0; k0 < DK; k0 += 8) {
         uint32_t a_big[4], a_small[4];
         load_u32x2(x_big, a_at + k0 * kPXP, a_big[0], a_big[1]);
         load_u32x2(x_big, a_at + (k0 + 4) * kPXP, a_big[2], a_big[3]);
@@ -411,41 +360,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         split_tf32(b_rows[k0 + 4], b_big[1], b_small[1]);
         mma_3xtf32(acc, a_big, a_small, b_big, b_small);
       }
-      // The high dk half's partial to r_s (free: last read in the previous chunk's phase B,
-      // before its closing barrier).
-      if (a_half == 1) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) r_s[r_row(e) * kPX + r_col(e)] = total(acc, e);
-      }
-      __syncthreads();
-      if (a_half == 0) {
-        // R = base + left_sign * (low half + high half): the fixed combine order.
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float* const at = r_s + r_row(e) * kPX + r_col(e);
-          const float r = base_v[e] + args.left_sign * (total(acc, e) + *at);
-          *at = r;
-          put_split(r_big, r_small, r_at(r_row(e), r_col(e)), r);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const float r = base_v[e] + args.left_sign * total(acc, e);
+        r_s[r_row(e) * kPX + r_col(e)] = r;
+        put_split(r_big, r_small, r_at(r_row(e), r_col(e)), r);
       }
     }
 
-    // Warps 8..15: the carry entering chunk n to global memory (forward: S_n; backward:
-    // dS_{n+1}), and the dGlast partials, with the SIMT kernel's slot maps (u in order).
-    // x_s is not written before phase B's next barrier.
-    if (a_half == 1) {
-      if (!kEarly) load_dot();
+    // The carry entering chunk n to global memory (forward: S_n; backward: dS_{n+1}), and
+    // the dGlast partials, with the SIMT kernel's maps (u in order). x_s is not written
+    // before phase B's end.
+    if (!kEarly) load_dot();
+    {
       float dot = 0.0f;
-      int64_t at = bhn * state_size + slot_at;
+      int64_t at = bhn * state_size + tile_at;
 #pragma unroll
-      for (int u = 0; u < kSlotElems; ++u) {
-        const int e = slot + u * kSlots, i = e / kTile, j = e % kTile;
+      for (int u = 0; u < kTileElems; ++u) {
+        const int e = tid + u * kThreads, i = e / kTile, j = e % kTile;
         const float x = x_s[i * kPX + j];
         args.carries_out[at] = x;
         dot = fmaf(dot_v[u], x, dot);
-        at += slot_pass;
+        at += tile_pass;
       }
-      if (args.dot_with) args.dot_out[(bhn * tiles + tile) * kSlots + slot] = decay * dot;
+      if (args.dot_with) args.dot_out[(bhn * tiles + tile) * kThreads + tid] = decay * dot;
     }
     if (kStages == 1) cp_async_wait_all();
     __syncthreads();
@@ -455,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kStages == 1 && step + 1 < args.chunks) {
       stage(args.left, left_quads, chunk_of(step + 1), left_of(0), kPL);
     }
-    if (!kEarly && owner) load_extra();  // read now, used after the mma loop
+    if (!kEarly) load_extra();  // read now, used after the mma loop
     {
       float* rows_out = args.rows_out + bhn * kC * dv;
       int64_t at = tile_at;
@@ -473,9 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int p = 0; p < kNt; ++p) zero(acc[q][p]);
       }
-      const int c_lo = b_half * kBRows;
 #pragma unroll 2
-      for (int c0 = c_lo; c0 < c_lo + kBRows; c0 += 8) {
+      for (int c0 = 0; c0 < kC; c0 += 8) {
         uint32_t b_big[kNt][2], b_small[kNt][2];
 #pragma unroll
         for (int p = 0; p < kNt; ++p) {
@@ -499,37 +436,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      if (kBSplit == 2) {
-        // dk 64: the high chunk-row half's partial to x_s (free: its last reads were
-        // before this phase's opening barrier).
-        if (!owner) {
 #pragma unroll
-          for (int q = 0; q < kMt; ++q) {
+      for (int q = 0; q < kMt; ++q) {
 #pragma unroll
-            for (int p = 0; p < kNt; ++p) {
+        for (int p = 0; p < kNt; ++p) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                x_s[x_row(q, e) * kPX + x_col(p, e)] = total(acc[q][p], e);
-              }
-            }
-          }
-        }
-        __syncthreads();
-      }
-      if (owner) {
-#pragma unroll
-        for (int q = 0; q < kMt; ++q) {
-#pragma unroll
-          for (int p = 0; p < kNt; ++p) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              // dk 64: low half + high half, the fixed combine order.
-              const float u = kBSplit == 2
-                                  ? total(acc[q][p], e) + x_s[x_row(q, e) * kPX + x_col(p, e)]
-                                  : total(acc[q][p], e);
-              carry[q][p][e] = decay * carry[q][p][e] + extra_v[q][p][e] + args.right_sign * u;
-              put_carry(q, p, e, carry[q][p][e]);
-            }
+          for (int e = 0; e < 4; ++e) {
+            carry[q][p][e] =
+                decay * carry[q][p][e] + extra_v[q][p][e] + args.right_sign * total(acc[q][p], e);
+            put_carry(q, p, e, carry[q][p][e]);
           }
         }
       }
