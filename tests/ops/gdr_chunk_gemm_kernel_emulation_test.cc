@@ -39,6 +39,7 @@
 // threadIdx, blockIdx, __syncthreads and the per-warp barriers from
 // tests/ops/emulated_cuda.h, the tensor-core primitives (cvt.rna.tf32, the warp-collective
 // mma.sync m16n8k8, counted in g_mma_count) from tests/ops/emulated_mma_tf32.h.
+#include "tests/ops/chunk_state_outputs.h"
 #include "tests/ops/emulated_cuda.h"
 #include "tests/ops/emulated_mma_tf32.h"
 
@@ -365,27 +366,13 @@ TEST(ChunkStateScanImplementation, WithTheEmulatedGemmMatchesTheReferenceOpAndTh
     const at::Tensor grad_s = at::randn({c.B, c.H, c.dk, c.dv}, f64);
     const at::Tensor grad_o = at::randn({c.B, c.H, c.N, C, c.dv}, f64);
 
-    const auto [o, s, states, v_new] = chunk_state_pass(u, w, qd, p, kend, g_last, s0);
-    const auto ref_b =
-        chunk_state_pass_backward(grad_o, grad_s, w, qd, p, kend, g_last, states, v_new);
-    const std::vector<at::Tensor> ref = {o,
-                                         s,
-                                         states,
-                                         v_new,
-                                         std::get<0>(ref_b),
-                                         std::get<1>(ref_b),
-                                         std::get<2>(ref_b),
-                                         std::get<3>(ref_b),
-                                         std::get<4>(ref_b),
-                                         std::get<5>(ref_b),
-                                         std::get<6>(ref_b)};
+    const auto ref_f = chunk_state_pass(u, w, qd, p, kend, g_last, s0);
+    const std::vector<at::Tensor> ref = test_support::state_pass_outputs(
+        ref_f, chunk_state_pass_backward(grad_o, grad_s, w, qd, p, kend, g_last, std::get<2>(ref_f),
+                                         std::get<3>(ref_f)));
 
-    // FP32 with the layouts the core hands over: u and w as slices of one [U | W] tensor,
-    // the upstream gradient transposed.
     auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
-    const at::Tensor uw = f32(at::cat({u, w}, -1));
-    const at::Tensor u32 = uw.narrow(-1, 0, c.dv), w32 = uw.narrow(-1, c.dv, c.dk);
-    const at::Tensor grad_o32 = f32(grad_o).transpose(0, 1).contiguous().transpose(0, 1);
+    const test_support::Fp32CoreLayouts x32 = test_support::fp32_core_layouts(u, w, grad_o);
     const chunk_state_internal::ScanLauncher scan = run_emulated_scan;
     int gemm_calls = 0;
     const chunk_state_internal::ChunkGemmLauncher gemm = [&gemm_calls](const ChunkGemmArgs& a) {
@@ -396,22 +383,12 @@ TEST(ChunkStateScanImplementation, WithTheEmulatedGemmMatchesTheReferenceOpAndTh
     for (const bool use_gemm : {false, true}) {
       const chunk_state_internal::ChunkGemmLauncher& launcher =
           use_gemm ? gemm : chunk_state_internal::ChunkGemmLauncher();
-      const auto [o2, s2, states2, v_new2] = chunk_state_internal::forward_via_scan(
-          u32, w32, f32(qd), f32(p), f32(kend), f32(g_last), f32(s0), scan, launcher);
-      const auto got_b = chunk_state_internal::backward_via_scan(
-          grad_o32, f32(grad_s), w32, f32(qd), f32(p), f32(kend), f32(g_last), states2, v_new2,
-          scan, launcher);
-      got[use_gemm] = {o2,
-                       s2,
-                       states2,
-                       v_new2,
-                       std::get<0>(got_b),
-                       std::get<1>(got_b),
-                       std::get<2>(got_b),
-                       std::get<3>(got_b),
-                       std::get<4>(got_b),
-                       std::get<5>(got_b),
-                       std::get<6>(got_b)};
+      const auto got_f = chunk_state_internal::forward_via_scan(
+          x32.u, x32.w, f32(qd), f32(p), f32(kend), f32(g_last), f32(s0), scan, launcher);
+      got[use_gemm] = test_support::state_pass_outputs(
+          got_f, chunk_state_internal::backward_via_scan(
+                     x32.grad_o, f32(grad_s), x32.w, f32(qd), f32(p), f32(kend), f32(g_last),
+                     std::get<2>(got_f), std::get<3>(got_f), scan, launcher));
     }
     // One forward GEMM (O) and six backward ones (P^T dO, Qd^T dO, dW, dQd, dP, dKend).
     EXPECT_EQ(gemm_calls, 7);
