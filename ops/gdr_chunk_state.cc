@@ -130,7 +130,7 @@ struct GemmTerm {
 // alpha * the sum over the terms (in order) of op(a) op(b), as a fresh contiguous
 // [batch, M, N] tensor computed by `gemm` (the batched products of the scan-based
 // implementation; see the header). Undefined, with nothing launched, when `gemm` is empty
-// or kernels::chunk_gemm_supports refuses the shapes: the caller then runs at::bmm.
+// or kernels::chunk_gemm_supports refuses the shapes (batched_product then runs ATen).
 at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool transpose_b,
                         std::initializer_list<GemmTerm> terms, float alpha = 1.0f) {
   if (!gemm || terms.size() == 0 || terms.size() > kernels::kChunkGemmMaxProducts) return {};
@@ -177,6 +177,29 @@ at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool tr
   return out;
 }
 
+// The same sum through `gemm` where it runs, else ATen's batched matmuls: at::bmm for the
+// first term (an empty output and baddbmm_ with beta = 0 when alpha != 1), baddbmm_ for
+// each further one.
+at::Tensor batched_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool transpose_b,
+                           std::initializer_list<GemmTerm> terms, float alpha = 1.0f) {
+  at::Tensor out = gemm_product(gemm, transpose_a, transpose_b, terms, alpha);
+  if (out.defined()) return out;
+  auto op_a = [&](const at::Tensor& a) { return transpose_a ? a.transpose(1, 2) : a; };
+  auto op_b = [&](const at::Tensor& b) { return transpose_b ? b.transpose(1, 2) : b; };
+  for (const GemmTerm& term : terms) {
+    if (!out.defined() && alpha == 1.0f) {
+      out = at::bmm(op_a(term.a), op_b(term.b));
+    } else if (!out.defined()) {
+      const at::Tensor a = op_a(term.a), b = op_b(term.b);
+      out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+      out.baddbmm_(a, b, /*beta=*/0.0, /*alpha=*/alpha);
+    } else {
+      out.baddbmm_(op_a(term.a), op_b(term.b), /*beta=*/1.0, /*alpha=*/alpha);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
@@ -218,12 +241,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
 
   // O_n = Qd_n S_n + P_n V_n for every chunk at once (one two-product GEMM: all of Qd S's
   // k, then all of P V's).
-  const at::Tensor qd3 = batched(qd), p3 = batched(p);
-  at::Tensor o = gemm_product(gemm, false, false, {{qd3, batched(states)}, {p3, batched(v_new)}});
-  if (!o.defined()) {
-    o = at::bmm(qd3, batched(states));
-    o.baddbmm_(p3, batched(v_new));
-  }
+  const at::Tensor o = batched_product(
+      gemm, false, false, {{batched(qd), batched(states)}, {batched(p), batched(v_new)}});
   return {o.view({B, H, N, C, dv}), final_state, states, v_new};
 }
 
@@ -243,13 +262,11 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   const at::Tensor dO3 = batched(dO);
   // The carry-independent parts of dV_n (P_n^T dO_n) and of g_n (Qd_n^T dO_n), all chunks
   // at once, so the sequential walk only does the two carry products.
-  const at::Tensor p3 = batched(p), qd3 = batched(qd);
-  at::Tensor pt_do = gemm_product(gemm, true, false, {{p3, dO3}});
-  if (!pt_do.defined()) pt_do = at::bmm(p3.transpose(1, 2), dO3);
-  pt_do = pt_do.view({B, H, N, C, dv});
-  at::Tensor qt_do = gemm_product(gemm, true, false, {{qd3, dO3}});  // [BHN, dk, dv]
-  if (!qt_do.defined()) qt_do = at::bmm(qd3.transpose(1, 2), dO3);
-  const at::Tensor log_decay = g_last.contiguous();  // the kernel takes exp itself
+  const at::Tensor pt_do =
+      batched_product(gemm, true, false, {{batched(p), dO3}}).view({B, H, N, C, dv});
+  const at::Tensor qt_do =
+      batched_product(gemm, true, false, {{batched(qd), dO3}});  // [BHN, dk, dv]
+  const at::Tensor log_decay = g_last.contiguous();              // the kernel takes exp itself
   const at::Tensor states_c = states.contiguous();
   const at::Tensor grad_final =
       present(grad_final_state) ? grad_final_state->contiguous() : at::Tensor();
@@ -286,22 +303,12 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
 
   const at::Tensor S3 = batched(states_c), G3 = batched(carries), V3 = batched(v_new);
   const at::Tensor dV3 = batched(du);
-  // dW = -dV S^T in one GEMM (alpha = -1, beta = 0: the empty output is never read).
-  at::Tensor dw = gemm_product(gemm, false, true, {{dV3, S3}}, /*alpha=*/-1.0f);
-  if (!dw.defined()) {
-    dw = at::empty({B * H * N, C, dk}, options);
-    dw.baddbmm_(dV3, S3.transpose(1, 2), /*beta=*/0.0, /*alpha=*/-1.0);
-  }
-  dw = dw.view({B, H, N, C, dk});
-  at::Tensor dqd = gemm_product(gemm, false, true, {{dO3, S3}});
-  if (!dqd.defined()) dqd = at::bmm(dO3, S3.transpose(1, 2));
-  dqd = dqd.view({B, H, N, C, dk});
-  at::Tensor dp = gemm_product(gemm, false, true, {{dO3, V3}});
-  if (!dp.defined()) dp = at::bmm(dO3, V3.transpose(1, 2));
-  dp = dp.view({B, H, N, C, C});
-  at::Tensor dkend = gemm_product(gemm, false, true, {{V3, G3}});
-  if (!dkend.defined()) dkend = at::bmm(V3, G3.transpose(1, 2));
-  dkend = dkend.view({B, H, N, C, dk});
+  // dW = -dV S^T in one GEMM (alpha = -1).
+  at::Tensor dw =
+      batched_product(gemm, false, true, {{dV3, S3}}, /*alpha=*/-1.0f).view({B, H, N, C, dk});
+  at::Tensor dqd = batched_product(gemm, false, true, {{dO3, S3}}).view({B, H, N, C, dk});
+  at::Tensor dp = batched_product(gemm, false, true, {{dO3, V3}}).view({B, H, N, C, C});
+  at::Tensor dkend = batched_product(gemm, false, true, {{V3, G3}}).view({B, H, N, C, dk});
   at::Tensor dg_last = dot_partials.sum(-1);
   return {du, dw, dqd, dp, dkend, dg_last, d_initial};
 }

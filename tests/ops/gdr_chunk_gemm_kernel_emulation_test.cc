@@ -40,13 +40,11 @@
 // tests/ops/emulated_cuda.h, the tensor-core primitives (cvt.rna.tf32, the warp-collective
 // mma.sync m16n8k8, counted in g_mma_count) from tests/ops/emulated_mma_tf32.h.
 #include "tests/ops/chunk_state_outputs.h"
+#include "tests/ops/emulated_cp_async.h"
 #include "tests/ops/emulated_cuda.h"
 #include "tests/ops/emulated_mma_tf32.h"
 
-// cp.async as plain synchronous copies (the waits are then no-ops).
-void cp_async_16(float* dst, const float* src) { std::memcpy(dst, src, 16); }
-void cp_async_4(float* dst, const float* src) { *dst = *src; }
-void cp_async_wait_all() {}
+// cp_async_16, cp_async_4, cp_async_wait_all: tests/ops/emulated_cp_async.h.
 
 // The SIMT scan kernel, for the op-level test (CUDA's float4: 16-byte aligned).
 struct alignas(16) float4 {

@@ -32,6 +32,7 @@
 // run_grid from tests/ops/emulated_cuda.h. Blocks run one after another, so function
 // statics serve as shared memory.
 #include "tests/ops/chunk_state_outputs.h"
+#include "tests/ops/emulated_cp_async.h"
 #include "tests/ops/emulated_cuda.h"
 #include "tests/ops/emulated_mma_tf32.h"
 
@@ -54,10 +55,7 @@ struct alignas(16) float4 {
 
 // tf32_round, tf32_as_float, mma_m16n8k8_tf32: tests/ops/emulated_mma_tf32.h (above).
 
-// cp.async as plain synchronous copies (the waits are then no-ops).
-void cp_async_16(float* dst, const float* src) { std::memcpy(dst, src, 16); }
-void cp_async_4(float* dst, const float* src) { *dst = *src; }
-void cp_async_wait_all() {}
+// cp_async_16, cp_async_4, cp_async_wait_all: tests/ops/emulated_cp_async.h.
 
 // Dynamic shared memory: one block at a time.
 constexpr int kTcSharedFloats = 227 * 1024 / 4;  // sm_90's opt-in limit per block
