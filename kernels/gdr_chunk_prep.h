@@ -29,8 +29,9 @@
 // nearest even, as at::BFloat16 does. The chunk of the last (partial) chunk past T is
 // handled in the kernels: no padded copies. The launchers run on the stream they are
 // given. Results are deterministic: every block owns disjoint outputs (its chunk's rows),
-// every sum is one thread's fixed-order FP32 sum or, in the tensor-core variant's Gram
-// tiles, one warp's fixed sequence of 3xTF32 mma instructions, no atomics (Note [Chunk
+// every sum is one thread's fixed-order FP32 sum or, in the tensor-core variant's
+// products (Gram tiles, dM, the backward's dK / dQ), one warp's fixed sequence of 3xTF32
+// mma instructions, no atomics (Note [Chunk
 // prep determinism] and Note [Chunk prep on tensor cores] in
 // kernels/gdr_chunk_prep_kernel.cuh).
 #pragma once

@@ -69,16 +69,29 @@
 // loads are conflict-free). In phase 3 warp w of 16 owns lower tiles w and w + 16 (< 20:
 // warps 0-3 two tiles, the others one) of dM and keeps their accumulators across the
 // slabs, c increasing. The tiles wholly above
-// the diagonal are not computed; the consumers get 0 there, as in the SIMT products. All
-// other products (the triangular solves, dK / dQ, the row sums) are the FP32 SIMT code
-// either way. Not converted yet: phase 6 (dK, dQ: three C x C by C x dk products, the
-// largest remaining, ~3 MFLOP per block at dk = 128). Its results feed the fused L2
-// norm's row dots and the stores in the SIMT (tr, tc) register layout, and a warp's share
-// of both C x dk outputs as 3xTF32 accumulators (8 tiles x 12 floats at dk = 128 with 16
-// warps) is over the 128-register budget, so it needs column passes with the products
-// staged in shared
-// memory (none is free at dk = dv = 128 without reusing kl / pm) and a fixed-order
-// cross-warp row dot. The solves are sequential in the row index and stay SIMT.
+// the diagonal are not computed; the consumers get 0 there, as in the SIMT products.
+// Backward phase 6 (dK = (dKK + dKK^T) K + dQK^T Q, dQ = dQK K: three C x C by C x dk
+// products, ~3 MFLOP per block at dk = 128, the largest) is converted too (dkdq_tc):
+// warp w = 4 cg + rb owns rows 16 rb .. + 15 and, in each of dk / 64 column passes p,
+// the columns 64 p + 16 cg .. + 15 (two 16 x 8 tiles) of both dK and dQ: 4 Acc3, 48
+// accumulator floats (8 tiles x 12 at once would not fit 128 registers). Every dK element
+// is one chain over j = 0 .. C-1 of K, then j = 0 .. C-1 of Q (k0 ascending, a fixed
+// order); every dQ element one chain over K; A1 and A3 share the K fragments. The k slots
+// of an mma are the rows j = k0 + 2t (slot t) and k0 + 2t + 1 (slot t + 4), so that the
+// B fragments (K, Q rows at pitch dk + 4 = 4 mod 32) hit banks 8t + g. The A operands
+// (A1 = dKK + dKK^T, formed in place in d1 during phase 5, one thread per pair; A3 = dQK
+// = d2; A2 = dQK^T = d2 read transposed) come from d1, d2 stored from phase 3 on at pitch
+// C with the XOR swizzle cc_at (conflict-free both directly and transposed; the SIMT
+// variant keeps pitch C + 1). Each pass's finished tiles go to shared memory (stage_at,
+// a swizzled [C][64] per output): pass 0 to kl and pm (free once phase 5's part sums are
+// read), pass 1 (dk = 128) to d1 and d2 after a barrier (every warp done reading them).
+// After one more barrier every thread reads its SIMT (tr, tc) elements back and the
+// epilogue runs unchanged: the row terms, the scale, the fused L2 norm's row dots (16
+// per-thread partials added in thread order) and the stores, with the same formulas and
+// order as the SIMT variant. So all phase-6 products are tensor-core products, with no
+// cross-warp reduction and no atomics. The other products (the triangular solves, the
+// row sums) are the FP32 SIMT code in both variants; the solves are sequential in the
+// row index and stay SIMT.
 #pragma once
 
 #include "kernels/gdr_chunk_prep.h"
@@ -397,6 +410,111 @@ __device__ __forceinline__ bool above_lower_tiles(int i, int j) {
   return j / 8 >= 2 * (i / 16) + 2;
 }
 
+// The backward's C x C matrices d1, d2 from phase 3 on, in the tensor-core variant: pitch
+// C with an XOR swizzle of the column's low five bits, element (i, j) at
+// i C + (j ^ cc_swizzle(i)) (a permutation inside each aligned 32-column half, so a warp's
+// row-wise accesses stay conflict-free). Phase 6 reads them as mma A fragments both
+// directly (rows 16 rb + g (+ 8), columns k0 + 2t (+ 1)) and transposed (rows k0 + 2t
+// (+ 1), columns 16 rb + g (+ 8)); with this swizzle both hit 32 distinct banks, as do
+// phase 3's fragment stores (Note [Chunk prep on tensor cores]).
+__device__ __forceinline__ int cc_swizzle(int i) { return (i & 1) | (((i >> 1) & 3) << 3); }
+__device__ __forceinline__ int cc_at(int i, int j) { return i * kC + (j ^ cc_swizzle(i)); }
+
+// Phase 6's staging of one 64-column pass of dK (or dQ) in the tensor-core variant:
+// [C][64] with element (i, c) at i 64 + (c ^ stage_swizzle(i)). The fragment stores (rows
+// g (+ 8), columns 2t + e) and the epilogue's reads (rows tr, tr + 1 of one warp, columns
+// tc + 16 b) both hit 32 distinct banks.
+constexpr int kStageCols = 64;
+__device__ __forceinline__ int stage_swizzle(int i) {
+  return ((i & 1) << 4) | (((i >> 1) & 1) << 3) | ((i >> 2) & 1);
+}
+__device__ __forceinline__ int stage_at(int i, int c) {
+  return i * kStageCols + (c ^ stage_swizzle(i));
+}
+
+// Phase 6's products on tensor cores (Note [Chunk prep on tensor cores]):
+//   dK = A1 K + A2 Q, A1 = dKK + dKK^T (d1, symmetrised in place), A2 = dQK^T (d2 read
+//   transposed); dQ = A3 K, A3 = dQK (d2), the sums over j (the mma's k) in C x DK outputs.
+// Warp w = 4 cg + rb owns rows 16 rb .. 16 rb + 15 and, in pass p (DK / 64 passes),
+// columns 64 p + 16 cg .. + 15 (two 16 x 8 tiles) of both dK and dQ: 4 Acc3 (48 floats).
+// Each dK element is one chain: j = 0 .. C-1 over K (k0 ascending), then j = 0 .. C-1 over
+// Q; each dQ element one chain over K. The k slots of one mma map to rows j = k0 + 2t
+// (slot t) and k0 + 2t + 1 (slot t + 4), so that B[k][n] = K[j][c] (pitch DK + 4 = 4 mod
+// 32) hits banks 8t + g: conflict-free. A1 and A3 share the K-row B fragments. Pass p's
+// finished tiles go to stage[p] (dK at stage[p], dQ at stage[p] + C 64, stage_at);
+// stage[1] overlays d1 and d2, so pass 1 stores after a barrier. Ends with a barrier.
+template <int DK>
+__device__ __forceinline__ void dkdq_tc(const float* d1, const float* d2, const float* ks,
+                                        const float* qs, float* stage0, float* stage1) {
+  using namespace mma_tf32;
+  constexpr int kp = DK + 4;
+  static_assert(kC == 64 && DK % kStageCols == 0 && kBackwardThreads == 512,
+                "16 warps: 4 row blocks x 4 column groups of 16 per 64-column pass");
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int rb = warp % 4, cg = warp / 4;
+  const int i0 = 16 * rb;
+#pragma unroll 1
+  for (int pass = 0; pass < DK / kStageCols; ++pass) {
+    const int c0 = kStageCols * pass + 16 * cg;
+    Acc3 kacc[2], qacc[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      zero(kacc[n]);
+      zero(qacc[n]);
+    }
+    // j over K: dK += A1 K, dQ += A3 K.
+#pragma unroll 2
+    for (int k0 = 0; k0 < kC; k0 += 8) {
+      uint32_t a1_big[4], a1_small[4], a3_big[4], a3_small[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + g + 8 * (e & 1), j = k0 + 2 * t + (e >> 1);
+        split_tf32(d1[cc_at(i, j)], a1_big[e], a1_small[e]);
+        split_tf32(d2[cc_at(i, j)], a3_big[e], a3_small[e]);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b_big[2], b_small[2];
+        const float* b = ks + (k0 + 2 * t) * kp + c0 + 8 * n + g;
+        split_tf32(b[0], b_big[0], b_small[0]);
+        split_tf32(b[kp], b_big[1], b_small[1]);
+        mma_3xtf32(kacc[n], a1_big, a1_small, b_big, b_small);
+        mma_3xtf32(qacc[n], a3_big, a3_small, b_big, b_small);
+      }
+    }
+    // j over Q: dK += A2 Q, A2_ij = dQK_ji.
+#pragma unroll 2
+    for (int k0 = 0; k0 < kC; k0 += 8) {
+      uint32_t a2_big[4], a2_small[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + g + 8 * (e & 1), j = k0 + 2 * t + (e >> 1);
+        split_tf32(d2[cc_at(j, i)], a2_big[e], a2_small[e]);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b_big[2], b_small[2];
+        const float* b = qs + (k0 + 2 * t) * kp + c0 + 8 * n + g;
+        split_tf32(b[0], b_big[0], b_small[0]);
+        split_tf32(b[kp], b_big[1], b_small[1]);
+        mma_3xtf32(kacc[n], a2_big, a2_small, b_big, b_small);
+      }
+    }
+    if (pass > 0) __syncthreads();  // every warp done with d1, d2, which stage1 overlays
+    float* stage = pass == 0 ? stage0 : stage1;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + g + 8 * (e / 2), c = 16 * cg + 8 * n + 2 * t + e % 2;
+        stage[stage_at(i, c)] = total(kacc[n], e);
+        stage[kC * kStageCols + stage_at(i, c)] = total(qacc[n], e);
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // The tensor-core Gram tiles (Note [Chunk prep on tensor cores]): calls kk_out(i, j, x)
 // with x = (K K^T)_ij and qk_out(i, j, x) with x = (Q K^T)_ij once for every element of
 // the C x C products, 0 for the tiles wholly above the diagonal (x = 0 there, as the SIMT
@@ -607,7 +725,9 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // and the row part of dG (thread 0 then adds the G_last terms and runs the reverse cumsum
 // into dg); 6 dk, dq as register tiles (32 x 16 threads, 2 rows x DK/16 columns each;
 // with the fused L2 norm, mapped back through it with one more barrier for the row dots),
-// and dv.
+// and dv. With TC, d1 and d2 are swizzled at pitch C from phase 3 on (cc_at), phase 5 also
+// symmetrises d1, and phase 6's products run on tensor cores (dkdq_tc), staged through
+// kl / pm and d1 / d2 into the same register tiles (Note [Chunk prep on tensor cores]).
 template <typename TQK, typename TV, int DK, bool TC>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
@@ -792,12 +912,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
-          d1[i * mp + j] = i > j ? -mma_tf32::total(tc_acc[u], e) : 0.0f;
+          d1[cc_at(i, j)] = i > j ? -mma_tf32::total(tc_acc[u], e) : 0.0f;
         }
       }
       for (int e = tid; e < kC * kC; e += kThreads) {
         const int i = e / kC, j = e % kC;
-        if (above_lower_tiles(i, j)) d1[i * mp + j] = 0.0f;
+        if (above_lower_tiles(i, j)) d1[cc_at(i, j)] = 0.0f;
       }
     } else {
       for (int a = 0; a < Map::kRows; ++a) {
@@ -824,13 +944,14 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     const int e = tid + kThreads * m;
     const int i = e / kC, j = e % kC;
     const float l = i >= j ? expf(gs[i] - gs[j]) : 0.0f;
-    const float dm = d1[i * mp + j];
+    const int at = TC ? cc_at(i, j) : i * mp + j;  // d1, d2 (cc_at: tensor cores only)
+    const float dm = d1[at];
     const float dp = dps[m];
     const float klv = kl[i * mp + j];
     pm[i * mp + j] = i > j ? bs[i] * dm * klv + dp * pm[i * mp + j] : 0.0f;
     kl[i * mp + j] = dm * klv;
-    d1[i * mp + j] = dm * bs[i] * l;
-    d2[i * mp + j] = dp * l;
+    d1[at] = dm * bs[i] * l;
+    d2[at] = dp * l;
   }
   __syncthreads();
 
@@ -905,6 +1026,18 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       row_e += pm[i * mp + j];
       col_e += pm[j * mp + i];
     }
+    if constexpr (TC) {
+      // Phase 6's A1 = dKK + dKK^T, in place in d1 (read only by phase 6, after the
+      // barriers below): one thread per pair i >= j reads both and writes both, with
+      // phase 6's SIMT sum dKK_ij + dKK_ji.
+      for (int e = tid; e < kC * kC; e += kThreads) {
+        const int a = e / kC, b = e % kC;
+        if (a < b) continue;
+        const float sym = d1[cc_at(a, b)] + d1[cc_at(b, a)];
+        d1[cc_at(a, b)] = sym;
+        d1[cc_at(b, a)] = sym;
+      }
+    }
     __syncthreads();  // every read of kl and pm done
     float* out = part + p * kSums * kC + i;
     out[0 * kC] = su;
@@ -968,27 +1101,45 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
       for (int b = 0; b < kCols; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
     }
-    for (int j = 0; j < kC; ++j) {
-      float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
-#pragma unroll
-      for (int b = 0; b < kCols; ++b) {
-        kj[b] = ks[j * kp + tc + kColThreads * b];
-        qj[b] = qs[j * kp + tc + kColThreads * b];
-      }
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const int i = tr + kRowThreads * a;
-        skk[a] = d1[i * mp + j] + d1[j * mp + i];
-        dqk_ji[a] = d2[j * mp + i];
-        dqk_ij[a] = d2[i * mp + j];
-      }
+    if constexpr (TC) {
+      // The products on tensor cores, staged in shared memory (kl and pm: free since
+      // phase 5's part sums; then d1 and d2), read back into the SIMT layout.
+      float* stage0 = kl;
+      float* stage1 = d1;
+      dkdq_tc<DK>(d1, d2, ks, qs, stage0, stage1);
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
 #pragma unroll
         for (int b = 0; b < kCols; ++b) {
-          acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
-          acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
-          acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+          const int i = tr + kRowThreads * a, c = tc + kColThreads * b;
+          const float* stage = c < kStageCols ? stage0 : stage1;
+          acc_k[a][b] = stage[stage_at(i, c % kStageCols)];
+          acc_q[a][b] = stage[kC * kStageCols + stage_at(i, c % kStageCols)];
+        }
+      }
+    } else {
+      for (int j = 0; j < kC; ++j) {
+        float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          kj[b] = ks[j * kp + tc + kColThreads * b];
+          qj[b] = qs[j * kp + tc + kColThreads * b];
+        }
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) {
+          const int i = tr + kRowThreads * a;
+          skk[a] = d1[i * mp + j] + d1[j * mp + i];
+          dqk_ji[a] = d2[j * mp + i];
+          dqk_ij[a] = d2[i * mp + j];
+        }
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+          for (int b = 0; b < kCols; ++b) {
+            acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
+            acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
+            acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+          }
         }
       }
     }

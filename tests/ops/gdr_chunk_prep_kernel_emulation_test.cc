@@ -257,9 +257,20 @@ TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   // The upstream dU with a transposed layout, as autograd may hand it over.
   std::optional<at::Tensor> du = grads[0];
   du = du->transpose(0, 1).contiguous().transpose(0, 1);
+  const int64_t forward_mmas = g_mma_count;
   const auto got_b = chunk_prep_internal::backward_via_kernel(
       du, grads[1], grads[2], grads[3], grads[4], grads[5], q, k, v, g, beta, got_out[0],
       got_out[1], scale, C, false, emulate_backward);
+  if (tc) {
+    // Warp 0's mma count per block (the emulation counts warp 0's): phase 1 lower tiles 0,
+    // 16, 32 over dk / 8 k-slices; phase 3 tiles 0, 16 over (dv + dk) / 8; phase 6 (Note
+    // [Chunk prep on tensor cores]) per 64-column pass 2 tiles of dK and of dQ over the
+    // C / 8 k-slices of K and 2 tiles of dK over those of Q; three mma per 3xTF32 step.
+    const int64_t blocks = c.B * c.H * ((c.T + C - 1) / C);
+    const int64_t per_block =
+        3 * (3 * c.dk / 8 + 2 * (c.dv + c.dk) / 8 + (c.dk / 64) * (C / 8) * (2 * 2 + 2));
+    EXPECT_EQ(g_mma_count - forward_mmas, blocks * per_block) << describe(c);
+  }
   const std::vector<at::Tensor> rb = {std::get<0>(ref_b), std::get<1>(ref_b), std::get<2>(ref_b),
                                       std::get<3>(ref_b), std::get<4>(ref_b)};
   const std::vector<at::Tensor> gb = {std::get<0>(got_b), std::get<1>(got_b), std::get<2>(got_b),
