@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "ops/causal_conv1d.h"
+#include "ops/gated_activation.h"
 #include "ops/gdr_core.h"
 #include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
@@ -230,7 +231,7 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   // values are the same (up to the sign of an all-zero gradient element).
   const std::vector<at::Tensor> query_and_gate_parts = at::split(query_and_gate, head_dim_, -1);
   at::Tensor q = query_and_gate_parts[0];
-  const at::Tensor gate = query_and_gate_parts[1].reshape({B, T, -1});
+  const at::Tensor& gate = query_and_gate_parts[1];  // [B, T, H, hd], read in place
   at::Tensor k = k_proj(x).reshape({B, T, num_kv_heads_, head_dim_});
   const at::Tensor v = v_proj(x).reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
 
@@ -239,7 +240,8 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   const at::Tensor attn = at::scaled_dot_product_attention(
       q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
       /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)), /*enable_gqa=*/true);
-  return o_proj(attn.transpose(1, 2).reshape({B, T, -1}) * gate.sigmoid());
+  return o_proj(gated_activation(gate, attn.transpose(1, 2).reshape({B, T, -1}),
+                                 GatedActivationKind::kSigmoid));
 }
 
 MlpImpl::MlpImpl(const QwenConfig& c) {
@@ -249,7 +251,7 @@ MlpImpl::MlpImpl(const QwenConfig& c) {
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+  return down_proj(gated_activation(gate_proj(x), up_proj(x), GatedActivationKind::kSilu));
 }
 
 }  // namespace gdr
