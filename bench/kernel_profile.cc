@@ -1,6 +1,7 @@
 #include "bench/kernel_profile.h"
 
 #include <cuda_runtime_api.h>
+#include <kineto/ActivityType.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -22,6 +24,85 @@ std::vector<std::pair<Key, std::string>> ranked(const Totals& totals, Key (*rank
   std::vector<std::pair<Key, std::string>> out;
   for (const auto& [name, v] : totals) out.emplace_back(rank_by(v.first, v.second), name);
   std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
+bool is(const torch::autograd::profiler::KinetoEvent& event, libkineto::ActivityType type) {
+  return event.activityType() == static_cast<uint8_t>(type);
+}
+
+bool is_gpu_work(const torch::autograd::profiler::KinetoEvent& event) {
+  return is(event, libkineto::ActivityType::CONCURRENT_KERNEL) ||
+         is(event, libkineto::ActivityType::GPU_MEMCPY) ||
+         is(event, libkineto::ActivityType::GPU_MEMSET);
+}
+
+// GPU time keyed by "operator | kernel" (a markdown row prefix). A kernel/memcpy/memset
+// shares its CUPTI correlation id with the host runtime call that launched it
+// (cudaLaunchKernel, cudaMemcpyAsync, ...); the launch is attributed to the host operators
+// (TorchOp events: aten::*, autograd nodes, record_function scopes) open on the launching
+// thread at the call's start. Runtime events carry the thread id of the operator they were
+// linked to, and autograd's backward runs on its own device thread, so ops are matched per
+// thread.
+Totals attribute_to_operators(const std::vector<torch::autograd::profiler::KinetoEvent>& events) {
+  using libkineto::ActivityType;
+  using Event = torch::autograd::profiler::KinetoEvent;
+  std::unordered_map<uint64_t, const Event*> launch_by_correlation;
+  std::map<uint64_t, std::vector<const Event*>> ops_by_thread;
+  for (const auto& event : events) {
+    if (is(event, ActivityType::CUDA_RUNTIME) || is(event, ActivityType::CUDA_DRIVER)) {
+      launch_by_correlation[event.correlationId()] = &event;
+    } else if (is(event, ActivityType::CPU_OP) || is(event, ActivityType::USER_ANNOTATION)) {
+      ops_by_thread[event.startThreadId()].push_back(&event);
+    }
+  }
+  Totals out;
+  auto add = [&out](const std::string& op, const Event& gpu) {
+    auto& slot = out[op + " | " + gpu.name().substr(0, 60)];
+    slot.first += gpu.durationNs() / 1e3;
+    slot.second += 1;
+  };
+  // Eager launches per thread, as (launch start, GPU event).
+  std::map<uint64_t, std::vector<std::pair<uint64_t, const Event*>>> launches_by_thread;
+  for (const auto& event : events) {
+    if (!is_gpu_work(event)) continue;
+    const auto it = launch_by_correlation.find(event.correlationId());
+    if (it == launch_by_correlation.end()) {
+      add("(no launch record)", event);
+    } else if (it->second->name().find("GraphLaunch") != std::string::npos) {
+      add("(CUDA graph replay)", event);
+    } else {
+      launches_by_thread[it->second->startThreadId()].emplace_back(it->second->startNs(), &event);
+    }
+  }
+  for (auto& [thread, launches] : launches_by_thread) {
+    auto& ops = ops_by_thread[thread];
+    // Sweep ops and launches in time order; `open` holds the ops containing the current launch
+    // in start order (outer first: a parent starting at the same ns as its child ends later).
+    std::sort(ops.begin(), ops.end(), [](const Event* a, const Event* b) {
+      return a->startNs() != b->startNs() ? a->startNs() < b->startNs() : a->endNs() > b->endNs();
+    });
+    std::sort(launches.begin(), launches.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<const Event*> open;
+    size_t next_op = 0;
+    for (const auto& [launch_ns, gpu] : launches) {
+      while (next_op < ops.size() && ops[next_op]->startNs() <= launch_ns)
+        open.push_back(ops[next_op++]);
+      open.erase(std::remove_if(open.begin(), open.end(),
+                                [t = launch_ns](const Event* op) { return op->endNs() < t; }),
+                 open.end());
+      if (open.empty()) {
+        add("(no operator)", *gpu);
+        continue;
+      }
+      // Innermost op plus up to 2 outer ones: the autograd node is the useful context.
+      std::string chain;
+      for (size_t i = open.size() > 3 ? open.size() - 3 : 0; i < open.size(); ++i)
+        chain += (chain.empty() ? "" : " > ") + open[i]->name().substr(0, 60);
+      add(chain, *gpu);
+    }
+  }
   return out;
 }
 
@@ -72,14 +153,29 @@ void print_kernel_profile(const std::string& title, const std::function<void()>&
     std::printf("| %s | %.3f | %.1f | %d |\n", name.c_str(), us / 1e3, 100.0 * us / busy_us,
                 kernels_us.at(name).second);
   }
-  if (options.top_host_operators <= 0) return;
-  std::printf(
-      "\nMost-called host operators, %s:\n| operator | calls | ms incl. nested |\n|---|---|---|\n",
-      title.c_str());
-  const auto by_calls = ranked<int>(host_ms, [](double, int calls) { return calls; });
-  for (size_t i = 0; i < by_calls.size() && static_cast<int>(i) < options.top_host_operators; ++i) {
-    const auto& [calls, name] = by_calls[i];
-    std::printf("| %s | %d | %.1f |\n", name.c_str(), calls, host_ms.at(name).first);
+  if (options.top_host_operators > 0) {
+    std::printf(
+        "\nMost-called host operators, %s:\n| operator | calls | ms incl. nested |\n"
+        "|---|---|---|\n",
+        title.c_str());
+    const auto by_calls = ranked<int>(host_ms, [](double, int calls) { return calls; });
+    for (size_t i = 0; i < by_calls.size() && static_cast<int>(i) < options.top_host_operators;
+         ++i) {
+      const auto& [calls, name] = by_calls[i];
+      std::printf("| %s | %d | %.1f |\n", name.c_str(), calls, host_ms.at(name).first);
+    }
+  }
+  if (options.top_attributed > 0) {
+    const Totals attributed = attribute_to_operators(result->events());
+    std::printf(
+        "\nGPU time by launching host operator, %s (innermost op, with up to 2 outer ops):\n"
+        "| operator | kernel | ms | calls |\n|---|---|---|---|\n",
+        title.c_str());
+    const auto rows = ranked<double>(attributed, [](double total, int) { return total; });
+    for (size_t i = 0; i < rows.size() && static_cast<int>(i) < options.top_attributed; ++i) {
+      const auto& [us, row] = rows[i];
+      std::printf("| %s | %.3f | %d |\n", row.c_str(), us / 1e3, attributed.at(row).second);
+    }
   }
 }
 

@@ -30,7 +30,8 @@ constexpr char kUsage[] =
     "Runs W warm-up and T timed optimizer steps and prints the median and spread of the\n"
     "step time, tokens/s and the peak allocated CUDA memory; --json also writes them.\n"
     "--profile: then one more step under the Kineto profiler, with its top GPU kernels\n"
-    "(graph replays included) and GPU-busy vs wall time.\n";
+    "(graph replays included), GPU-busy vs wall time and GPU time by launching host operator\n"
+    "(eager launches only: add --set=train.cuda_graphs=false to attribute graph-captured work).\n";
 
 int fail(int code, absl::string_view message) {
   std::cerr << "step_timing: error: " << message << "\n";
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
                                        auto stats = (*trainer)->train_step();
                                        if (!stats.ok()) step_status = stats.status();
                                      },
-                                     {.top_kernels = 40});
+                                     {.top_kernels = 40, .top_attributed = 40});
     if (!step_status.ok()) return fail(1, step_status.message());
   }
   return 0;
