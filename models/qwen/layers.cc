@@ -6,7 +6,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/silu.h>
 #include <ATen/ops/split.h>
 #include <ATen/ops/split_with_sizes.h>
 #include <ATen/ops/zeros.h>

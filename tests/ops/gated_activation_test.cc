@@ -128,8 +128,8 @@ TEST(GatedActivationCpu, ArgumentErrorsNameTheArgument) {
       }),
       "gated_activation_backward: expected grad_y of shape [2, 4] (same as x), but got [4, 2]");
   const auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("gdr::gated_activation_forward", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+                      .findSchemaOrThrow("gdr::gated_activation_forward", "")
+                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
   EXPECT_EQ(error_of([&] { op.call(x, x, 2); }),
             "gated_activation: expected activation 0 (silu) or 1 (sigmoid), but got 2");
 }
