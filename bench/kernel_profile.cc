@@ -96,10 +96,16 @@ Totals attribute_to_operators(const std::vector<torch::autograd::profiler::Kinet
         add("(no operator)", *gpu);
         continue;
       }
-      // Innermost op plus up to 2 outer ones: the autograd node is the useful context.
+      // The outermost op (the autograd node, or the op the model called) and the two
+      // innermost ones: the context and the op that launched.
       std::string chain;
-      for (size_t i = open.size() > 3 ? open.size() - 3 : 0; i < open.size(); ++i)
+      for (size_t i = 0; i < open.size(); ++i) {
+        if (i > 0 && i + 2 < open.size()) {
+          if (i == 1) chain += " > ...";
+          continue;
+        }
         chain += (chain.empty() ? "" : " > ") + open[i]->name().substr(0, 60);
+      }
       add(chain, *gpu);
     }
   }
@@ -168,7 +174,7 @@ void print_kernel_profile(const std::string& title, const std::function<void()>&
   if (options.top_attributed > 0) {
     const Totals attributed = attribute_to_operators(result->events());
     std::printf(
-        "\nGPU time by launching host operator, %s (innermost op, with up to 2 outer ops):\n"
+        "\nGPU time by launching host operator, %s (outermost op > ... > the two innermost):\n"
         "| operator | kernel | ms | calls |\n|---|---|---|---|\n",
         title.c_str());
     const auto rows = ranked<double>(attributed, [](double total, int) { return total; });

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
                                        auto stats = (*trainer)->train_step();
                                        if (!stats.ok()) step_status = stats.status();
                                      },
-                                     {.top_kernels = 40, .top_attributed = 40});
+                                     {.top_kernels = 40, .top_attributed = 80});
     if (!step_status.ok()) return fail(1, step_status.message());
   }
   return 0;
