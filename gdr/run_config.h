@@ -53,9 +53,11 @@ struct DataConfig {
   int64_t micro_batch_size = 4;
 };
 
-// How the AdamW update runs: kFused is ATen's multi-tensor _fused_adamw_ (a few launches
-// for all parameters; what torch.optim.AdamW(fused=True) runs), kLoop is libtorch's
-// torch::optim::AdamW::step() (several ATen ops per parameter). Same formula, same state
+// How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw.h: gradient
+// clip, AdamW and the BF16 parameter store in one multi-tensor pass on CUDA, with the bits
+// of ATen's _foreach_mul_ + _fused_adamw_ (what torch.optim.AdamW(fused=True) runs) +
+// _foreach_copy_), kLoop is libtorch's torch::optim::AdamW::step() (several ATen ops per
+// parameter). Same formula, same state
 // (exp_avg, exp_avg_sq, step in torch::optim's state map, so checkpoints are the same
 // format); the two differ in FP32 rounding, so compare runs with the same setting.
 enum class OptimizerImpl { kFused, kLoop };

@@ -6,10 +6,12 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +24,7 @@
 #include "io/file_util.h"
 #include "models/qwen/deterministic_mode.h"
 #include "models/qwen/model.h"
+#include "ops/fused_adamw.h"
 
 namespace gdr {
 namespace {
@@ -180,10 +183,6 @@ struct Trainer::Impl {
   std::vector<at::Tensor> params;   // the model's, in names order
   std::vector<at::Tensor> masters;  // FP32; the same tensors as params for fp32
   std::unique_ptr<torch::optim::AdamW> optimizer;
-  // optimizer.impl: fused: one FP32 step counter per master on its device, as
-  // _fused_adamw_ wants them; built from the optimizer state when empty (first step, after
-  // a checkpoint load).
-  std::vector<at::Tensor> fused_steps;
   int64_t step = 0;
   // Kept from the last step for snapshots.
   std::vector<at::Tensor> last_grads;
@@ -266,16 +265,27 @@ struct Trainer::Impl {
     return absl::OkStatus();
   }
 
-  // Note [Fused AdamW]: the AdamW update of every master through ATen's _fused_adamw_ (one
-  // multi-tensor kernel family instead of ~7 ATen ops per parameter: the step is host-bound
-  // and this is its optimizer part), on the state torch::optim::AdamW keeps, so snapshots,
-  // checkpoints and resume do not depend on the implementation. Elementwise, hence
-  // deterministic; the host keeps each state's integer step in step with the device counters.
-  void fused_adamw_step(double lr) {
+  // Note [Fused AdamW]: the optimizer tail of a step in one multi-tensor kernel family,
+  // gdr::fused_adamw_step_ (ops/fused_adamw.h): per element, the gradient clip (grad *=
+  // grad_coef, written back so last_grads holds the clipped gradients), the AdamW update of
+  // the FP32 master and its moments, and, in mixed precision, the store of the new master
+  // rounded to BF16 into the model's parameter. On CUDA that is one launch (the step is
+  // host-bound and this was ~225 launches: _foreach_mul_, _foreach_add_ on per-master step
+  // counters, _fused_adamw_, _foreach_copy_) and reads the gradients once; it gives the bits
+  // of that ATen sequence, which is what it runs on the CPU. It works on the state
+  // torch::optim::AdamW keeps (the integer step of each AdamWParamState is the step count
+  // the kernel takes, as a float), so snapshots, checkpoints and resume do not depend on the
+  // implementation. Elementwise, hence deterministic. grad_coef: 1 when not clipping.
+  void fused_adamw_step(double lr, double grad_coef) {
     const OptimizerConfig& o = config.optimizer;
-    std::vector<at::Tensor> ps, grads, avgs, sqs;
-    const bool build_steps = fused_steps.empty();
-    for (const at::Tensor& master : masters) {
+    // Masters grouped by the step they take (one group in practice: every state is created
+    // on the first step and saved and loaded together).
+    struct Group {
+      std::vector<at::Tensor> masters, grads, avgs, sqs, bf16_params;
+    };
+    std::map<int64_t, Group> groups;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      const at::Tensor& master = masters[i];
       torch::optim::AdamWParamState* st = adam_state(master);
       if (st == nullptr) {
         auto fresh = std::make_unique<torch::optim::AdamWParamState>();
@@ -285,20 +295,19 @@ struct Trainer::Impl {
         st = fresh.get();
         optimizer->state()[master.unsafeGetTensorImpl()] = std::move(fresh);
       }
-      if (build_steps) {
-        fused_steps.push_back(
-            at::full({}, static_cast<double>(st->step()), master.options().dtype(at::kFloat)));
-      }
       st->step(st->step() + 1);
-      ps.push_back(master);
-      grads.push_back(master.grad());
-      avgs.push_back(st->exp_avg());
-      sqs.push_back(st->exp_avg_sq());
+      Group& g = groups[st->step()];
+      g.masters.push_back(master);
+      g.grads.push_back(master.grad());
+      g.avgs.push_back(st->exp_avg());
+      g.sqs.push_back(st->exp_avg_sq());
+      if (mixed()) g.bf16_params.push_back(params[i]);
     }
     at::NoGradGuard no_grad;
-    at::_foreach_add_(fused_steps, 1.0);  // the kernel reads the step it is taking
-    at::_fused_adamw_(ps, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, fused_steps, lr, o.beta1,
-                      o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+    for (const auto& [step, g] : groups) {
+      fused_adamw_step_(g.masters, g.grads, g.avgs, g.sqs, g.bf16_params, lr, o.beta1, o.beta2,
+                        o.weight_decay, o.eps, step, grad_coef);
+    }
   }
 };
 
@@ -599,25 +608,24 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   }
 
   const double clip = m.config.optimizer.grad_clip;
-  if (nonfinite.empty() && clip > 0) {
-    // One scale factor computed on the host: the same bits however the grads are laid out.
-    const double coef = clip / (stats.grad_norm + 1e-6);
-    if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
-  }
+  // One scale factor computed on the host: the same bits however the grads are laid out.
+  double coef = 1.0;
+  if (nonfinite.empty() && clip > 0) coef = std::min(1.0, clip / (stats.grad_norm + 1e-6));
   m.last_losses = stats.microbatch_losses;
 
   if (nonfinite.empty()) {
     if (m.config.optimizer.impl == OptimizerImpl::kFused) {
-      m.fused_adamw_step(stats.lr);
+      // Clips the grads (they alias the masters' .grad), updates the masters and, in mixed
+      // precision, writes the BF16 params (Note [Fused AdamW]).
+      m.fused_adamw_step(stats.lr, coef);
     } else {
+      at::NoGradGuard no_grad;
+      if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
       for (auto& group : m.optimizer->param_groups()) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
       }
       m.optimizer->step();
-    }
-    if (m.mixed()) {
-      at::NoGradGuard no_grad;
-      at::_foreach_copy_(m.params, m.masters);
+      if (m.mixed()) at::_foreach_copy_(m.params, m.masters);
     }
   } else {
     stats.skipped = true;
@@ -734,7 +742,6 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
 
   at::NoGradGuard no_grad;
   m.optimizer->state().clear();
-  m.fused_steps.clear();  // rebuilt from the loaded steps
   for (size_t i = 0; i < m.names.size(); ++i) {
     m.masters[i].copy_(weights.at(m.names[i]));
     if (m.mixed()) m.params[i].copy_(m.masters[i]);
