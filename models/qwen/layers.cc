@@ -1,8 +1,6 @@
 #include "models/qwen/layers.h"
 
 #include <ATen/TensorOperators.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -20,6 +18,7 @@
 #include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
 #include "ops/rms_norm.h"
+#include "ops/rope.h"
 
 namespace gdr {
 namespace {
@@ -67,28 +66,7 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
 }
 
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
-  TORCH_CHECK(x.dim() == 4, "apply_partial_rope: expected x of shape [B, H, T, hd] but got ",
-              x.sizes());
-  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= x.size(-1),
-              "apply_partial_rope: expected an even rotary_dim in (0, ", x.size(-1), "] but got ",
-              rotary_dim);
-  const int64_t T = x.size(2);
-  const auto f32 = x.options().dtype(at::kFloat);
-  const at::Tensor inv_freq = at::arange(0, rotary_dim, 2, f32)
-                                  .div(static_cast<double>(rotary_dim))
-                                  .mul(-std::log(theta))
-                                  .exp();
-  const at::Tensor freqs = at::arange(T, f32).outer(inv_freq);  // [T, rotary_dim / 2]
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);        // [T, rotary_dim]
-  const at::Tensor cos = angles.cos(), sin = angles.sin();
-
-  const at::Tensor rot = x.narrow(-1, 0, rotary_dim).to(at::kFloat);
-  const at::Tensor pass = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
-  const int64_t half = rotary_dim / 2;
-  const at::Tensor rotated_half =
-      at::cat({-rot.narrow(-1, half, half), rot.narrow(-1, 0, half)}, -1);
-  const at::Tensor rope = (rot * cos + rotated_half * sin).to(x.scalar_type());
-  return at::cat({rope, pass}, -1);
+  return partial_rope(x, rotary_dim, theta);
 }
 
 ZeroCenteredRMSNormImpl::ZeroCenteredRMSNormImpl(int64_t dim, double eps) : eps_(eps) {

@@ -42,7 +42,8 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
 
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
-// 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype.
+// 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype. The fused
+// op on CUDA (GDR_ROPE), else the ATen composite (ops/rope.h).
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
 
 // Zero-centred RMSNorm module; parameter `weight` [dim], initialised to 0.
