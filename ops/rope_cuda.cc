@@ -1,6 +1,7 @@
 // CUDA implementation of the RoPE ops (ops/rope.h): argument checks, the output in x's
 // memory layout, and one launch of kernels/rope.cu each way on the current stream.
 // Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
