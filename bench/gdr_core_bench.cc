@@ -11,7 +11,8 @@
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
 // --dtype=model, what the model hands the core: raw (unnormalised) BF16 q, k with
-// --key_heads key heads as slices of one conv-output row, FP32 v, GdrQkNorm::kL2 (the
+// --key_heads key heads as slices of one conv-output row, BF16 v (Note [GDR core value
+// dtype] in models/qwen/layers.cc; FP32 v before session 8), GdrQkNorm::kL2 (the
 // norm and head mapping fused into the prep kernels; the ATen arms normalise and repeat in
 // ATen). CUDA events around each host call
 // (so host and launch overhead count, which is what the composite loses), warm-up, then the median
@@ -74,7 +75,7 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   const bool model = inputs == Inputs::kModel;
   const at::ScalarType qk_dtype = inputs == Inputs::kFp32 ? at::kFloat : at::kBFloat16;
-  const at::ScalarType v_dtype = inputs == Inputs::kBf16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType v_dtype = inputs == Inputs::kFp32 ? at::kFloat : at::kBFloat16;
   at::manual_seed(0);
   at::Tensor q, k;
   if (model) {
@@ -236,7 +237,7 @@ int main(int argc, char** argv) {
           "  (composite), and steps 1-6 (prep) as the chunk prep kernels (kernel) or ATen ops\n"
           "  (aten): rows kernel/kernel, kernel/aten, composite/aten. Inputs: bf16 / fp32 =\n"
           "  L2-normalised q/k/v of that dtype with H heads; model = what the model hands the\n"
-          "  core: raw BF16 q/k with Hk key heads (slices of one conv row), FP32 v,\n"
+          "  core: raw BF16 q/k with Hk key heads (slices of one conv row), BF16 v,\n"
           "  GdrQkNorm::kL2. Defaults: --lengths=2048,16384 --heads=16 --key_heads=H --dk=128\n"
           "  --dv=128 --dtype=bf16. --profile: after each length's rows, the top GPU kernels\n"
           "  of one forward+backward of the first (default) arm.\n"

@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 
 #include "ops/causal_conv1d.h"
@@ -63,6 +65,15 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
   const bool kernel = causal_conv_impl() == CausalConvImpl::kKernel;
   if (kernel && causal_conv1d_kernel_supports(x, weight)) return causal_conv1d_silu(x, weight);
   return causal_conv1d_silu_composite(x, weight);
+}
+
+// GDR_CORE_V_FP32 (Note [GDR core value dtype]): unset or 0 keeps v in the activations'
+// dtype; 1 widens it to FP32. Read at every call.
+static bool core_v_fp32() {
+  const char* env = std::getenv("GDR_CORE_V_FP32");
+  if (env == nullptr || env[0] == '\0' || std::string(env) == "0") return false;
+  TORCH_CHECK(std::string(env) == "1", "GDR_CORE_V_FP32: expected 0 or 1, but got '", env, "'");
+  return true;
 }
 
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
@@ -150,9 +161,17 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
         at::split_with_sizes(qkv, {key_dim, key_dim, value_dim}, -1);
     q = qkv_parts[0].reshape({B, T, num_k_heads_, k_head_dim_});
     k = qkv_parts[1].reshape({B, T, num_k_heads_, k_head_dim_});
-    // The core runs in FP32 whatever the activations; an FP32 v saves it a cast.
-    const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_}).to(ct);
+    // Note [GDR core value dtype]: the core computes in FP32 whatever its inputs and returns
+    // o in v's dtype. v stays in x's dtype (BF16 in training, as in HF's and FLA's
+    // kernels): the prep kernel widens it as it reads, dv comes back in BF16, and o comes
+    // back BF16, so the gated norm below reads o, z and its output gradient in one dtype
+    // with no cast passes either way. GDR_CORE_V_FP32=1 widens v first (the core then
+    // returns an FP32 o, which the norm casts with z and the gradients), as before;
+    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_full_fusion.h).
+    v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_});
+    if (x.scalar_type() != at::kDouble && v.scalar_type() != at::kFloat && core_v_fp32()) {
+      v = v.to(at::kFloat);
+    }
 
     const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
     // g and beta come back FP32 from either form of the gate.
@@ -177,7 +196,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
       break;
   }
   const at::Tensor z = in_proj_z(x).reshape({B, T, num_v_heads_, v_head_dim_});
-  o = norm(o, z);  // FP32 math, back to x's dtype (z's)
+  o = norm(o, z);  // FP32 math, back to z's dtype
   return out_proj(o.reshape({B, T, value_dim}));
 }
 
