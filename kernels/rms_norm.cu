@@ -22,23 +22,38 @@ namespace gdr::kernels {
 namespace {
 
 using rms_norm_detail::backward_program;
+using rms_norm_detail::backward_program_resident;
 using rms_norm_detail::forward_row;
+using rms_norm_detail::forward_row_resident;
 using rms_norm_detail::reduce_partials_block;
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-template <typename T, typename TW, int VEC, bool kGated>
+// CHUNKS == 0: the streaming bodies (any cols); else the register-resident ones for
+// cols <= CHUNKS * 32 * VEC (Note [RMSNorm register-resident rows]).
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
 __global__ void __launch_bounds__(kRmsNormForwardWarps * 32)
     rms_norm_forward_kernel(const RmsNormForwardArgs args) {
-  forward_row<T, TW, VEC, kGated>(args);
+  if constexpr (CHUNKS == 0) {
+    forward_row<T, TW, VEC, kGated>(args);
+  } else {
+    forward_row_resident<T, TW, VEC, kGated, CHUNKS>(args);
+  }
 }
 
-template <typename T, typename TW, int VEC, bool kGated>
-__global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32)
+// The backward's fixed grid gives about 4 programs per SM: the minimum of 4 blocks per SM
+// caps registers at 128 so that they are all resident at once.
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc>
+__global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32, 4)
     rms_norm_backward_kernel(const RmsNormBackwardArgs args, int64_t rows_per_program) {
   extern __shared__ float column_sums[];  // [warps][cols]
-  backward_program<T, TW, VEC, kGated>(args, rows_per_program, column_sums);
+  if constexpr (CHUNKS == 0) {
+    backward_program<T, TW, VEC, kGated>(args, rows_per_program, column_sums);
+  } else {
+    backward_program_resident<T, TW, VEC, kGated, CHUNKS, STAGES, kSharedAcc>(
+        args, rows_per_program, column_sums);
+  }
 }
 
 template <typename TW>
@@ -77,13 +92,45 @@ bool can_vectorize(const RmsNormShape& shape, std::initializer_list<const RowOpe
   return true;
 }
 
+// Packs per lane a row of `cols` needs: 0 (the streaming kernels) beyond `max_chunks`.
+// Only the 16-byte path gets register-resident variants; the scalar one is the fallback
+// for unaligned views and odd rows.
+int resident_chunks(int64_t cols, int vec, int max_chunks) {
+  if (vec == 1) return 0;
+  const int64_t needed = (cols + 32 * vec - 1) / (32 * vec);
+  for (int chunks = 1; chunks <= max_chunks; chunks *= 2) {
+    if (needed <= chunks) return chunks;
+  }
+  return 0;
+}
+
+template <typename T, typename TW, int VEC, bool kGated>
+void forward_flavoured(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t stream) {
+  constexpr int kThreads = kRmsNormForwardWarps * 32;
+  if constexpr (VEC == 1) {
+    rms_norm_forward_kernel<T, TW, 1, kGated, 0><<<grid, kThreads, 0, stream>>>(args);
+  } else {
+    switch (args.streaming_only ? 0 : resident_chunks(args.shape.cols, VEC, 4)) {
+      case 1:
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 1><<<grid, kThreads, 0, stream>>>(args);
+        break;
+      case 2:
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 2><<<grid, kThreads, 0, stream>>>(args);
+        break;
+      case 4:
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 4><<<grid, kThreads, 0, stream>>>(args);
+        break;
+      default: rms_norm_forward_kernel<T, TW, VEC, kGated, 0><<<grid, kThreads, 0, stream>>>(args);
+    }
+  }
+}
+
 template <typename T, typename TW, int VEC>
 void forward_typed(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t stream) {
-  constexpr int kThreads = kRmsNormForwardWarps * 32;
   if (args.flavour == RmsNormFlavour::kGated) {
-    rms_norm_forward_kernel<T, TW, VEC, true><<<grid, kThreads, 0, stream>>>(args);
+    forward_flavoured<T, TW, VEC, true>(args, grid, stream);
   } else {
-    rms_norm_forward_kernel<T, TW, VEC, false><<<grid, kThreads, 0, stream>>>(args);
+    forward_flavoured<T, TW, VEC, false>(args, grid, stream);
   }
 }
 
@@ -102,18 +149,71 @@ int launch_forward(const RmsNormForwardArgs& args, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, typename TW, int VEC>
-void backward_typed(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
-                    cudaStream_t stream) {
+// The backward's register-resident plan for rows of `chunks` 16-byte packs per lane and
+// operand (stages == 0: the streaming kernel). Chosen so that nothing spills under the
+// 128-register cap (ptxas -v, sm_90): one stage holds 2 or 3 operands * chunks packs, and
+// a lane also keeps chunks * VEC floats of column sums (unless shared_acc) and, gated, of
+// silu and silu' between the passes; 16-bit rows cost more, as ptxas keeps both passes'
+// unpacked floats. With one chunk, 3 stages (two rows prefetched) where they fit; with
+// four, no row ahead, but a warp still has all 8 packs of its row in flight (and at the
+// model's cols = 1024 each warp owns a single row anyway).
+struct BackwardPlan {
+  int stages;
+  bool shared_acc;
+};
+
+constexpr BackwardPlan backward_plan(bool gated, int element_bytes, int chunks) {
+  const bool wide = element_bytes == 4;  // FP32 rows: VEC = 4, no unpacking
+  if (gated) {
+    if (chunks == 1) return wide ? BackwardPlan{3, false} : BackwardPlan{2, false};
+    if (chunks == 2) return wide ? BackwardPlan{2, false} : BackwardPlan{1, true};
+    return {0, false};
+  }
+  if (chunks == 1) return {3, false};
+  if (chunks == 2) return wide ? BackwardPlan{2, false} : BackwardPlan{2, true};
+  if (chunks == 4) return wide ? BackwardPlan{1, false} : BackwardPlan{1, true};
+  return {0, false};
+}
+
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+void backward_launch(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
+                     cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(launch.programs));
   const int threads = launch.warps * 32;
   const size_t shared = static_cast<size_t>(launch.shared_bytes);
-  if (args.flavour == RmsNormFlavour::kGated) {
-    rms_norm_backward_kernel<T, TW, VEC, true>
+  constexpr BackwardPlan kPlan =
+      CHUNKS == 0 ? BackwardPlan{0, false} : backward_plan(kGated, sizeof(T), CHUNKS);
+  if constexpr (kPlan.stages == 0) {
+    rms_norm_backward_kernel<T, TW, VEC, kGated, 0, 1, false>
         <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
   } else {
-    rms_norm_backward_kernel<T, TW, VEC, false>
+    rms_norm_backward_kernel<T, TW, VEC, kGated, CHUNKS, kPlan.stages, kPlan.shared_acc>
         <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
+  }
+}
+
+template <typename T, typename TW, int VEC, bool kGated>
+void backward_flavoured(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
+                        cudaStream_t stream) {
+  if constexpr (VEC == 1) {
+    backward_launch<T, TW, 1, kGated, 0>(args, launch, stream);
+  } else {
+    switch (args.streaming_only ? 0 : resident_chunks(args.shape.cols, VEC, 4)) {
+      case 1: backward_launch<T, TW, VEC, kGated, 1>(args, launch, stream); break;
+      case 2: backward_launch<T, TW, VEC, kGated, 2>(args, launch, stream); break;
+      case 4: backward_launch<T, TW, VEC, kGated, 4>(args, launch, stream); break;
+      default: backward_launch<T, TW, VEC, kGated, 0>(args, launch, stream);
+    }
+  }
+}
+
+template <typename T, typename TW, int VEC>
+void backward_typed(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
+                    cudaStream_t stream) {
+  if (args.flavour == RmsNormFlavour::kGated) {
+    backward_flavoured<T, TW, VEC, true>(args, launch, stream);
+  } else {
+    backward_flavoured<T, TW, VEC, false>(args, launch, stream);
   }
 }
 

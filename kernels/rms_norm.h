@@ -57,6 +57,9 @@ struct RmsNormForwardArgs {
   float eps = 0.0f;
   void* y = nullptr;      // [rows, cols] contiguous, `dtype`
   float* rstd = nullptr;  // [rows]; may be null (no backward will follow)
+  // Tests only: the streaming one-row-at-a-time kernel, whose bits the faster
+  // register-resident variants must reproduce (Note [RMSNorm register-resident rows]).
+  bool streaming_only = false;
 };
 
 struct RmsNormBackwardArgs {
@@ -70,10 +73,13 @@ struct RmsNormBackwardArgs {
   void* dx = nullptr;           // [rows, cols] contiguous, `dtype`
   void* dz = nullptr;           // gated only
   float* partials = nullptr;    // [programs, cols] FP32 scratch, every slot written
+  bool streaming_only = false;  // tests only, as in RmsNormForwardArgs
 };
 
-// Forward: one row per warp, kRmsNormForwardWarps rows per block.
-constexpr int kRmsNormForwardWarps = 4;
+// Forward: one row per warp, kRmsNormForwardWarps rows per block. Rows are independent,
+// so the block size changes no bits; 8 warps halve the blocks to schedule at 32768 short
+// rows (cols = 128) against 4.
+constexpr int kRmsNormForwardWarps = 8;
 
 // Backward grid, a pure function of (rows, cols) so that the weight gradient's summation
 // order never depends on the device or the load. Each program (block of `warps` warps)

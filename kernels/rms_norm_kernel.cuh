@@ -40,6 +40,46 @@ __device__ __forceinline__ int64_t row_offset(const RmsNormShape& shape, const R
   return offset + row * op.row_strides[0];
 }
 
+// The same offsets as row_offset for several operands of one row, with the divisions by
+// the row sizes done once per row rather than once per operand, in 32 bits when the
+// values allow (a 64-bit division is a long subroutine, not free next to the few elements
+// a lane has at cols = 128; the model's norms pass 2-3 row dims), and no dynamically
+// indexed arrays (those would live in local memory).
+struct RowIndex {
+  int64_t idx[kRmsNormMaxRowDims];
+};
+
+__device__ __forceinline__ RowIndex row_index(const RmsNormShape& shape, int64_t row) {
+  RowIndex r;
+#pragma unroll
+  for (int k = kRmsNormMaxRowDims - 1; k > 0; --k) {
+    r.idx[k] = 0;
+    if (k < shape.row_dims) {
+      const int64_t size = shape.row_sizes[k];
+      if (((row | size) >> 32) == 0) {
+        const uint32_t row32 = static_cast<uint32_t>(row), size32 = static_cast<uint32_t>(size);
+        r.idx[k] = row32 % size32;
+        row = row32 / size32;
+      } else {
+        r.idx[k] = row % size;
+        row /= size;
+      }
+    }
+  }
+  r.idx[0] = row;
+  return r;
+}
+
+__device__ __forceinline__ int64_t operand_offset(const RowIndex& r, const RowOperand& op,
+                                                  int row_dims) {
+  int64_t offset = 0;
+#pragma unroll
+  for (int k = kRmsNormMaxRowDims - 1; k > 0; --k) {
+    if (k < row_dims) offset += r.idx[k] * op.row_strides[k];
+  }
+  return offset + r.idx[0] * op.row_strides[0];
+}
+
 // Every lane ends with the same bits (Note [RMSNorm determinism]).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -193,6 +233,295 @@ __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
     }
   }
 
+  __syncthreads();
+  float* partial = a.partials + static_cast<int64_t>(blockIdx.x) * cols;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const int64_t i = acc_index<VEC>(c, cols);
+    float sum = shared[i];
+    for (int v = 1; v < warps; ++v) sum += shared[v * cols + i];
+    partial[c] = sum;
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Register-resident variants. Note [RMSNorm register-resident rows]
+// The kernels above are latency-bound at the model's shapes (cols = 128 or 1024): a warp
+// has one row's packs in flight at a time, re-reads the row (L1) for the second pass,
+// only starts loading z after the forward's reduction, and round-trips shared memory per
+// element for the weight gradient; with the backward's fixed grid (about 16 warps per SM)
+// that leaves HBM mostly idle. The variants below hold a lane's share of a row in
+// registers (CHUNKS packs per operand, issued together before any use), prefetch the
+// rows of the next STAGES - 1 iterations while the current row is reduced and written,
+// keep the hoisted weights and the warp's column sums in registers, and write the column
+// sums to shared memory once at the end. They must give the same bits as the streaming
+// bodies above (the emulation test checks it bit for bit): every lane owns the same
+// columns (pack j covers columns lane * VEC + j * 32 * VEC + [0, VEC)), every per-element
+// FP32 expression is written as above (same operand grouping, so nvcc's FMA contraction
+// sees the same expression trees), per-lane sums run over the same columns in the same
+// order, the warp sums use warp_sum, and each warp adds its rows into its column sums in
+// the same row order (warps added in warp order, the grid unchanged).
+
+template <typename T, int VEC, int CHUNKS>
+__device__ __forceinline__ void load_row_packs(const T* row, int64_t cols, int lane,
+                                               Pack<T, VEC> (&packs)[CHUNKS]) {
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) packs[j] = load_pack<T, VEC>(row + c);
+  }
+}
+
+// The lane's weights w[c, c + VEC) of every chunk, kept in storage form (half the
+// registers of floats for 16-bit weights): one vector load per chunk when the weight
+// pointer allows it (not part of the launcher's alignment rule, which picks VEC for the
+// activations alone).
+template <typename TW, int VEC, int CHUNKS>
+__device__ __forceinline__ void load_weight_packs(const void* weight, int64_t cols, int lane,
+                                                  Pack<TW, VEC> (&packs)[CHUNKS]) {
+  const TW* w = static_cast<const TW*>(weight);
+  if (VEC > 1 && reinterpret_cast<uintptr_t>(weight) % sizeof(Pack<TW, VEC>) == 0) {
+    load_row_packs<TW, VEC, CHUNKS>(w, cols, lane, packs);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) packs[j].v[k] = w[c + k];
+    }
+  }
+}
+
+// Forward of one row per warp with the row (x and z) loaded in one go: needs
+// cols <= CHUNKS * 32 * VEC. Same bits as forward_row.
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+__device__ __forceinline__ void forward_row_resident(const RmsNormForwardArgs& a) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRmsNormForwardWarps +
+                      static_cast<int64_t>(threadIdx.x / 32);
+  if (row >= a.shape.rows) return;  // whole warps leave together; no block barrier follows
+  const int64_t cols = a.shape.cols;
+  const RowIndex index = row_index(a.shape, row);
+  const T* x = static_cast<const T*>(a.x.data) + operand_offset(index, a.x, a.shape.row_dims);
+  T* y = static_cast<T*>(a.y) + row * cols;
+
+  Pack<T, VEC> xp[CHUNKS], zp[kGated ? CHUNKS : 1];
+  load_row_packs<T, VEC, CHUNKS>(x, cols, lane, xp);
+  if constexpr (kGated) {
+    const T* z = static_cast<const T*>(a.z.data) + operand_offset(index, a.z, a.shape.row_dims);
+    load_row_packs<T, VEC, CHUNKS>(z, cols, lane, zp);
+  }
+  Pack<TW, VEC> wp[CHUNKS];
+  load_weight_packs<TW, VEC, CHUNKS>(a.weight, cols, lane, wp);
+
+  float sumsq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) {
+      float xv[VEC];
+      unpack<T, VEC>(xp[j], xv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sumsq += xv[k] * xv[k];
+    }
+  }
+  const float rstd = rsqrtf(warp_sum(sumsq) * (1.0f / static_cast<float>(cols)) + a.eps);
+  if (lane == 0 && a.rstd != nullptr) a.rstd[row] = rstd;
+
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) {
+      float xv[VEC], zv[VEC], wv[VEC], out[VEC];
+      unpack<T, VEC>(xp[j], xv);
+      if constexpr (kGated) unpack<T, VEC>(zp[j], zv);
+      unpack<TW, VEC>(wp[j], wv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float n = xv[k] * rstd;
+        if constexpr (kGated) {
+          float silu, silu_grad;
+          silu_and_grad(zv[k], silu, silu_grad);
+          out[k] = n * wv[k] * silu;  // (normed * w) * silu(z), the composite's order
+        } else {
+          out[k] = n * (wv[k] + 1.0f);
+        }
+      }
+      store_floats<T, VEC>(y + c, out);
+    }
+  }
+}
+
+// One row of the backward in flight: the lane's packs of x, grad_y (and z) and the row's
+// rstd, loaded by load_backward_row long before process_backward_row uses them.
+template <typename T, int VEC, int CHUNKS, bool kGated>
+struct BackwardRow {
+  Pack<T, VEC> x[CHUNKS], dy[CHUNKS], z[kGated ? CHUNKS : 1];
+  float rstd;
+};
+
+template <typename T, int VEC, int CHUNKS, bool kGated>
+__device__ __forceinline__ void load_backward_row(const RmsNormBackwardArgs& a, int64_t row,
+                                                  int lane,
+                                                  BackwardRow<T, VEC, CHUNKS, kGated>& r) {
+  const int64_t cols = a.shape.cols;
+  const int dims = a.shape.row_dims;
+  const RowIndex index = row_index(a.shape, row);
+  load_row_packs<T, VEC, CHUNKS>(static_cast<const T*>(a.x.data) + operand_offset(index, a.x, dims),
+                                 cols, lane, r.x);
+  load_row_packs<T, VEC, CHUNKS>(
+      static_cast<const T*>(a.grad_y.data) + operand_offset(index, a.grad_y, dims), cols, lane,
+      r.dy);
+  if constexpr (kGated) {
+    load_row_packs<T, VEC, CHUNKS>(
+        static_cast<const T*>(a.z.data) + operand_offset(index, a.z, dims), cols, lane, r.z);
+  }
+  r.rstd = a.rstd[row];
+}
+
+// backward_program's per-row work on a loaded row; `wp` holds the weights of the lane's
+// columns. The warp's column sums of those columns live in `acc` or, with kSharedAcc, in
+// the warp's shared-memory row `warp_acc` as in backward_program (fewer registers: the
+// wide 16-bit rows need them for the row itself).
+template <typename T, typename TW, int VEC, int CHUNKS, bool kGated, bool kSharedAcc>
+__device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& a, int64_t row,
+                                                     int lane,
+                                                     const BackwardRow<T, VEC, CHUNKS, kGated>& r,
+                                                     const Pack<TW, VEC> (&wp)[CHUNKS],
+                                                     float (&acc)[kSharedAcc ? 1 : CHUNKS][VEC],
+                                                     float* warp_acc) {
+  const int64_t cols = a.shape.cols;
+  const float rstd = r.rstd;
+  // silu(z) and silu'(z) of pass 1, reused by pass 2 (an exp and two divisions each).
+  float silu[kGated ? CHUNKS : 1][VEC], silu_grad[kGated ? CHUNKS : 1][VEC];
+
+  float dot = 0.0f;
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) {
+      float xv[VEC], gv[VEC], zv[VEC], wv[VEC];
+      unpack<T, VEC>(r.x[j], xv);
+      unpack<T, VEC>(r.dy[j], gv);
+      if constexpr (kGated) unpack<T, VEC>(r.z[j], zv);
+      unpack<TW, VEC>(wp[j], wv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float n = xv[k] * rstd;
+        float dn;
+        if constexpr (kGated) {
+          silu_and_grad(zv[k], silu[j][k], silu_grad[j][k]);
+          dn = gv[k] * wv[k] * silu[j][k];
+        } else {
+          dn = gv[k] * (wv[k] + 1.0f);
+        }
+        dot += dn * n;
+      }
+    }
+  }
+  const float mean_dot = warp_sum(dot) * (1.0f / static_cast<float>(cols));
+
+  T* dx = static_cast<T*>(a.dx) + row * cols;
+  T* dz = kGated ? static_cast<T*>(a.dz) + row * cols : nullptr;
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+    if (c < cols) {
+      float xv[VEC], gv[VEC], wv[VEC], dxv[VEC], dzv[VEC];
+      unpack<T, VEC>(r.x[j], xv);
+      unpack<T, VEC>(r.dy[j], gv);
+      unpack<TW, VEC>(wp[j], wv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float n = xv[k] * rstd;
+        float dn, dw_term;
+        if constexpr (kGated) {
+          dn = gv[k] * wv[k] * silu[j][k];
+          dzv[k] = gv[k] * n * wv[k] * silu_grad[j][k];
+          dw_term = gv[k] * n * silu[j][k];
+        } else {
+          dn = gv[k] * (wv[k] + 1.0f);
+          dw_term = gv[k] * n;
+        }
+        dxv[k] = rstd * (dn - n * mean_dot);
+        if constexpr (kSharedAcc) {
+          warp_acc[acc_index<VEC>(c + k, cols)] += dw_term;
+        } else {
+          acc[j][k] += dw_term;
+        }
+      }
+      store_floats<T, VEC>(dx + c, dxv);
+      if constexpr (kGated) store_floats<T, VEC>(dz + c, dzv);
+    }
+  }
+}
+
+// backward_program with the rows in registers: needs cols <= CHUNKS * 32 * VEC. A warp
+// walks its rows (begin + warp, + warps, ...) in order with STAGES rows in flight: the
+// loads of row i + STAGES - 1 are issued before row i's reduction, math and stores. Same
+// bits as backward_program (Note [RMSNorm register-resident rows]).
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc>
+__device__ __forceinline__ void backward_program_resident(const RmsNormBackwardArgs& a,
+                                                          int64_t rows_per_program, float* shared) {
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t rows = a.shape.rows;
+  const int64_t cols = a.shape.cols;
+
+  Pack<TW, VEC> wp[CHUNKS];
+  load_weight_packs<TW, VEC, CHUNKS>(a.weight, cols, lane, wp);
+  float acc[kSharedAcc ? 1 : CHUNKS][VEC];
+  float* warp_acc = shared + warp * cols;
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if constexpr (kSharedAcc) {
+        if (c < cols) warp_acc[acc_index<VEC>(c + k, cols)] = 0.0f;
+      } else {
+        acc[j][k] = 0.0f;
+      }
+    }
+  }
+
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * rows_per_program;
+  const int64_t end = begin + rows_per_program < rows ? begin + rows_per_program : rows;
+  const int64_t first = begin + warp;
+  BackwardRow<T, VEC, CHUNKS, kGated> stage[STAGES];
+#pragma unroll
+  for (int s = 0; s + 1 < STAGES; ++s) {
+    const int64_t row = first + static_cast<int64_t>(s) * warps;
+    if (row < end) load_backward_row<T, VEC, CHUNKS, kGated>(a, row, lane, stage[s]);
+  }
+  // Unrolled by STAGES so that every stage index is a compile-time constant (registers,
+  // not local memory). Row checks are warp-uniform.
+  for (int64_t base = first; base < end; base += static_cast<int64_t>(STAGES) * warps) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int64_t ahead = base + static_cast<int64_t>(s + STAGES - 1) * warps;
+      if (ahead < end) {
+        load_backward_row<T, VEC, CHUNKS, kGated>(a, ahead, lane, stage[(s + STAGES - 1) % STAGES]);
+      }
+      const int64_t row = base + static_cast<int64_t>(s) * warps;
+      if (row < end)
+        process_backward_row<T, TW, VEC, CHUNKS, kGated, kSharedAcc>(a, row, lane, stage[s], wp,
+                                                                     acc, warp_acc);
+    }
+  }
+
+  if constexpr (!kSharedAcc) {
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+      if (c < cols) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) warp_acc[acc_index<VEC>(c + k, cols)] = acc[j][k];
+      }
+    }
+  }
   __syncthreads();
   float* partial = a.partials + static_cast<int64_t>(blockIdx.x) * cols;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {

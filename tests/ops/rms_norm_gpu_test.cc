@@ -1,17 +1,20 @@
 // GPU tests of the fused RMSNorm (tag gpu): agreement with the libtorch compositions for
 // outputs and gradients (FP32 tight, BF16/FP16 within stated tolerances), tails and odd
 // row sizes, non-contiguous inputs, mixed dtypes, bit-exact replay of the backward under
-// contention, and the model's GDR_RMS_NORM switch.
+// contention, the model's GDR_RMS_NORM switch, and the register-resident kernel variants
+// against the streaming kernels, bit for bit (Note [RMSNorm register-resident rows]).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "kernels/rms_norm.h"
 #include "models/qwen/layers.h"
 #include "ops/rms_norm.h"
 #include "tests/ops/bitwise_equal.h"
@@ -196,6 +199,125 @@ TEST(RmsNormGpuSwitch, ModelNormsFollowGdrRmsNorm) {
   const at::Tensor xd = in.x.to(at::kDouble), zd = in.z.to(at::kDouble), wd = in.w.to(at::kDouble);
   EXPECT_TRUE(bitwise_equal(gated_rms_norm(xd, zd, wd, 1e-6, at::kDouble),
                             gated_rms_norm_composite(xd, zd, wd, 1e-6, at::kDouble)));
+}
+
+// The kernels straight from their launchers (contiguous [rows, cols] operands), with the
+// launcher's choice of variant or the streaming kernels forced.
+struct KernelOutputs {
+  at::Tensor y, rstd, dx, dz, partials, dw;
+};
+
+kernels::NormDtype norm_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kernels::NormDtype::kFloat32;
+    case at::kHalf: return kernels::NormDtype::kFloat16;
+    default: return kernels::NormDtype::kBFloat16;
+  }
+}
+
+KernelOutputs run_kernels(bool gated, const Inputs& in, bool streaming_only) {
+  const int64_t cols = in.x.size(-1), rows = in.x.numel() / cols;
+  kernels::RmsNormShape shape;
+  shape.rows = rows;
+  shape.cols = cols;
+  shape.row_dims = 1;
+  shape.row_sizes[0] = rows;
+  auto operand = [&](const at::Tensor& t) {
+    kernels::RowOperand op;
+    op.data = t.data_ptr();
+    op.row_strides[0] = cols;
+    return op;
+  };
+  const auto dt = in.x.scalar_type();
+  KernelOutputs out;
+  out.y = at::empty({rows, cols}, in.x.options());
+  out.rstd = at::empty({rows}, in.x.options().dtype(at::kFloat));
+  kernels::RmsNormForwardArgs fa;
+  fa.flavour = gated ? kernels::RmsNormFlavour::kGated : kernels::RmsNormFlavour::kZeroCentred;
+  fa.dtype = norm_dtype(dt);
+  fa.weight_fp32 = in.w.scalar_type() == at::kFloat;
+  fa.shape = shape;
+  fa.x = operand(in.x);
+  if (gated) fa.z = operand(in.z);
+  fa.weight = in.w.data_ptr();
+  fa.eps = 1e-6f;
+  fa.y = out.y.data_ptr();
+  fa.rstd = out.rstd.data_ptr<float>();
+  fa.streaming_only = streaming_only;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  EXPECT_EQ(kernels::launch_rms_norm_forward(fa, stream), 0);
+
+  const kernels::RmsNormBackwardLaunch launch =
+      kernels::derive_rms_norm_backward_launch(rows, cols);
+  out.dx = at::empty({rows, cols}, in.x.options());
+  out.dz = gated ? at::empty({rows, cols}, in.x.options()) : at::Tensor();
+  out.partials =
+      at::empty({std::max<int64_t>(launch.scratch_floats, 1)}, in.x.options().dtype(at::kFloat));
+  out.dw = at::empty({cols}, in.w.options());
+  kernels::RmsNormBackwardArgs ba;
+  ba.flavour = fa.flavour;
+  ba.dtype = fa.dtype;
+  ba.weight_fp32 = fa.weight_fp32;
+  ba.shape = shape;
+  ba.grad_y = operand(in.g);
+  ba.x = fa.x;
+  ba.z = fa.z;
+  ba.weight = fa.weight;
+  ba.rstd = out.rstd.data_ptr<float>();
+  ba.dx = out.dx.data_ptr();
+  ba.dz = gated ? out.dz.data_ptr() : nullptr;
+  ba.partials = out.partials.data_ptr<float>();
+  ba.streaming_only = streaming_only;
+  EXPECT_EQ(kernels::launch_rms_norm_backward(ba, stream), 0);
+  EXPECT_EQ(kernels::launch_rms_norm_reduce_partials(ba.partials, launch.programs, cols,
+                                                     norm_dtype(in.w.scalar_type()),
+                                                     out.dw.data_ptr(), stream),
+            0);
+  return out;
+}
+
+// The training step's shapes (GDN norm: 2048 tokens x 16 heads of 128; hidden 1024) and
+// others that reach every (chunks, stages, accumulator) plan, several rows per warp,
+// tails, partial last chunks and rows per program that the warps do not divide.
+TEST(RmsNormGpuVariants, ResidentKernelsMatchTheStreamingKernelsBitForBit) {
+  struct VariantCase {
+    bool gated;
+    int64_t rows, cols;
+    at::ScalarType act, weight;
+  };
+  const VariantCase cases[] = {
+      {true, 32768, 128, at::kFloat, at::kFloat},
+      {true, 32768, 128, at::kBFloat16, at::kBFloat16},
+      {true, 32768, 128, at::kBFloat16, at::kFloat},
+      {false, 2048, 1024, at::kBFloat16, at::kBFloat16},
+      {false, 8192, 1024, at::kBFloat16, at::kFloat},
+      {false, 20001, 512, at::kFloat, at::kFloat},
+      {true, 4097, 256, at::kFloat, at::kFloat},
+      {true, 3001, 256, at::kHalf, at::kHalf},
+      {true, 999, 512, at::kBFloat16, at::kBFloat16},
+      {false, 5000, 512, at::kBFloat16, at::kBFloat16},
+      {false, 6007, 512, at::kFloat, at::kFloat},
+      {false, 777, 1000, at::kHalf, at::kHalf},
+      {false, 40000, 128, at::kBFloat16, at::kBFloat16},
+      {true, 1000, 96, at::kFloat, at::kFloat},
+      {false, 3, 256, at::kFloat, at::kFloat},
+  };
+  for (const VariantCase& c : cases) {
+    const Inputs in = make_inputs({c.rows, c.cols}, c.act, c.weight, c.gated, c.rows * 7 + c.cols);
+    const KernelOutputs fast = run_kernels(c.gated, in, false);
+    const KernelOutputs ref = run_kernels(c.gated, in, true);
+    const std::string context = std::string(c.gated ? "gated " : "zero-centred ") +
+                                std::to_string(c.rows) + "x" + std::to_string(c.cols) + " " +
+                                c10::toString(c.act) + "/" + c10::toString(c.weight);
+    EXPECT_TRUE(bitwise_equal(fast.y, ref.y)) << context << " y";
+    EXPECT_TRUE(bitwise_equal(fast.rstd, ref.rstd)) << context << " rstd";
+    EXPECT_TRUE(bitwise_equal(fast.dx, ref.dx)) << context << " dx";
+    if (c.gated) {
+      EXPECT_TRUE(bitwise_equal(fast.dz, ref.dz)) << context << " dz";
+    }
+    EXPECT_TRUE(bitwise_equal(fast.partials, ref.partials)) << context << " partials";
+    EXPECT_TRUE(bitwise_equal(fast.dw, ref.dw)) << context << " dw";
+  }
 }
 
 }  // namespace

@@ -6,8 +6,10 @@
 // the odd 100 and 1000 (vectorised and scalar paths), row counts with tails, zero rows,
 // strided row layouts. The weight gradient's partial rows and the ordered second pass are
 // checked bit for bit against the documented summation order (Note [RMSNorm
-// determinism]), also with several rows per warp. Speed and the real hardware are the GPU
-// test's business.
+// determinism]), also with several rows per warp, and every register-resident variant
+// (Note [RMSNorm register-resident rows]: row prefetching, rows in registers) against the
+// streaming kernels' bits: y, rstd, dx, dz and the partial rows. Speed and the real hardware are
+// the GPU test's business.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <math.h>
@@ -15,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,6 +77,84 @@ void fill_layout(const at::Tensor& t, RmsNormShape& shape, RowOperand& op) {
   op.data = t.data_ptr();
   op.row_strides[0] = t.stride(0);
   op.row_strides[1] = t.stride(1);
+}
+
+// Bit-for-bit equality of two tensors' bytes (NaN fills included).
+::testing::AssertionResult same_bits(const at::Tensor& got, const at::Tensor& want,
+                                     const std::string& what) {
+  if (got.nbytes() == want.nbytes() &&
+      std::memcmp(got.data_ptr(), want.data_ptr(), got.nbytes()) == 0) {
+    return ::testing::AssertionSuccess();
+  }
+  const at::Tensor g = got.to(at::kDouble).flatten(), w = want.to(at::kDouble).flatten();
+  const at::Tensor differ = (g != w).logical_and(g.isnan().logical_and(w.isnan()).logical_not());
+  const int64_t first = differ.any().item<bool>() ? differ.nonzero()[0][0].item<int64_t>() : -1;
+  return ::testing::AssertionFailure()
+         << what << " differs from the streaming kernel's at element " << first << " ("
+         << (first >= 0 ? g[first].item<double>() : 0.0) << " vs "
+         << (first >= 0 ? w[first].item<double>() : 0.0) << ")";
+}
+
+// The streaming kernels' outputs, which every register-resident variant must reproduce
+// bit for bit (Note [RMSNorm register-resident rows]).
+struct StreamingOutputs {
+  at::Tensor y, rstd, dx, dz, partials;
+};
+
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+void check_forward_variant(const Case& c, RmsNormForwardArgs fa, const StreamingOutputs& want) {
+  if (c.cols > CHUNKS * 32 * VEC) return;  // the variant's precondition
+  at::Tensor y = at::full_like(want.y, NAN), rstd = at::full_like(want.rstd, NAN);
+  fa.y = y.data_ptr();
+  fa.rstd = rstd.data_ptr<float>();
+  const int64_t blocks = (c.rows + kRmsNormForwardWarps - 1) / kRmsNormForwardWarps;
+  run_grid(blocks, kRmsNormForwardWarps * 32,
+           [&](int64_t) { rms_norm_detail::forward_row_resident<T, TW, VEC, kGated, CHUNKS>(fa); });
+  const std::string name = "forward chunks " + std::to_string(CHUNKS) + ": ";
+  EXPECT_TRUE(same_bits(y, want.y, name + "y"));
+  EXPECT_TRUE(same_bits(rstd, want.rstd, name + "rstd"));
+}
+
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc>
+void check_backward_variant(const Case& c, RmsNormBackwardArgs ba,
+                            const RmsNormBackwardLaunch& launch, const StreamingOutputs& want) {
+  if (c.cols > CHUNKS * 32 * VEC) return;
+  at::Tensor dx = at::full_like(want.dx, NAN), dz = at::full_like(want.dz, NAN);
+  at::Tensor partials = at::full_like(want.partials, NAN);
+  ba.dx = dx.data_ptr();
+  ba.dz = dz.data_ptr();
+  ba.partials = partials.data_ptr<float>();
+  std::vector<float> shared(launch.warps * c.cols, NAN);
+  run_grid(launch.programs, launch.warps * 32, [&](int64_t) {
+    rms_norm_detail::backward_program_resident<T, TW, VEC, kGated, CHUNKS, STAGES, kSharedAcc>(
+        ba, launch.rows_per_program, shared.data());
+  });
+  const std::string name = "backward chunks " + std::to_string(CHUNKS) + " stages " +
+                           std::to_string(STAGES) + (kSharedAcc ? " shared acc" : "") + ": ";
+  EXPECT_TRUE(same_bits(dx, want.dx, name + "dx"));
+  EXPECT_TRUE(same_bits(dz, want.dz, name + "dz"));
+  EXPECT_TRUE(same_bits(partials, want.partials, name + "partials"));
+}
+
+template <typename T, typename TW, int VEC, bool kGated>
+void check_resident_variants(const Case& c, const RmsNormForwardArgs& fa,
+                             const RmsNormBackwardArgs& ba, const RmsNormBackwardLaunch& launch,
+                             const StreamingOutputs& want) {
+  check_forward_variant<T, TW, VEC, kGated, 1>(c, fa, want);
+  check_forward_variant<T, TW, VEC, kGated, 2>(c, fa, want);
+  check_forward_variant<T, TW, VEC, kGated, 4>(c, fa, want);
+  // Every (chunks, stages, accumulator) the launcher may pick and a few it does not
+  // (stage counts that do not divide a warp's rows, more chunks than needed).
+  check_backward_variant<T, TW, VEC, kGated, 1, 1, false>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 1, 2, false>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 1, 3, false>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 1, 2, true>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 2, 1, true>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 2, 2, false>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 2, 3, true>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 4, 1, false>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 4, 1, true>(c, ba, launch, want);
+  check_backward_variant<T, TW, VEC, kGated, 4, 2, true>(c, ba, launch, want);
 }
 
 template <typename T, typename TW, int VEC>
@@ -136,6 +217,12 @@ void run_case(const Case& c) {
                                                            shared.data());
     }
   });
+  const StreamingOutputs streaming{y, rstd, dx, dz, partials};
+  if (c.gated) {
+    check_resident_variants<T, TW, VEC, true>(c, fa, ba, launch, streaming);
+  } else {
+    check_resident_variants<T, TW, VEC, false>(c, fa, ba, launch, streaming);
+  }
   at::Tensor dw = at::full({c.cols}, NAN, at::TensorOptions().dtype(wt));
   std::vector<float> slice_sums(kRmsNormReduceSlices * kRmsNormReduceCols);
   run_grid((c.cols + kRmsNormReduceCols - 1) / kRmsNormReduceCols,
@@ -271,7 +358,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{false, false, false, 3, 100, false, 0}, Case{true, true, false, 5, 100, false, 0},
         Case{true, false, false, 37, 128, false, 12}, Case{false, true, false, 38, 256, true, 8},
         Case{true, true, false, 6, 128, true, 0}, Case{false, false, false, 0, 256, false, 0},
-        Case{true, true, false, 0, 128, false, 0}),
+        Case{true, true, false, 0, 128, false, 0},
+        // Several rows per warp for the prefetching variants: 6 each, 3/3/2/2 (rows per
+        // program not a multiple of the warps), 2/2/2/1, tails, partial last chunks.
+        Case{true, false, false, 100, 128, false, 24},
+        Case{false, false, false, 45, 256, false, 10}, Case{true, false, false, 23, 200, false, 7},
+        Case{false, true, false, 30, 1024, false, 6}, Case{true, true, false, 50, 128, false, 20},
+        Case{false, true, false, 21, 512, false, 0}, Case{false, false, false, 19, 512, false, 9},
+        Case{true, true, true, 33, 256, false, 13}, Case{false, true, false, 26, 1000, false, 11},
+        Case{true, false, false, 64, 96, false, 0}),
     [](const ::testing::TestParamInfo<Case>& info) { return name_of(info.param); });
 
 }  // namespace
