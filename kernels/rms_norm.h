@@ -57,8 +57,9 @@ struct RmsNormForwardArgs {
   float eps = 0.0f;
   void* y = nullptr;      // [rows, cols] contiguous, `dtype`
   float* rstd = nullptr;  // [rows]; may be null (no backward will follow)
-  // Tests only: the streaming one-row-at-a-time kernel, whose bits the faster
-  // register-resident variants must reproduce (Note [RMSNorm register-resident rows]).
+  // The streaming one-row-at-a-time kernel, whose bits the faster register-resident
+  // variants reproduce (Note [RMSNorm register-resident rows]); for tests and benchmarks
+  // (GDR_RMS_NORM_KERNEL=streaming in ops/rms_norm_cuda.cc).
   bool streaming_only = false;
 };
 
@@ -73,7 +74,7 @@ struct RmsNormBackwardArgs {
   void* dx = nullptr;           // [rows, cols] contiguous, `dtype`
   void* dz = nullptr;           // gated only
   float* partials = nullptr;    // [programs, cols] FP32 scratch, every slot written
-  bool streaming_only = false;  // tests only, as in RmsNormForwardArgs
+  bool streaming_only = false;  // as in RmsNormForwardArgs
 };
 
 // Forward: one row per warp, kRmsNormForwardWarps rows per block. Rows are independent,

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "kernels/rms_norm.h"
@@ -21,6 +23,17 @@ namespace {
 
 using rms_norm_internal::check_backward_inputs;
 using rms_norm_internal::check_forward_inputs;
+
+// GDR_RMS_NORM_KERNEL=resident|streaming (read at every call, default resident): the
+// register-resident kernels or the streaming ones whose bits they reproduce (Note [RMSNorm
+// register-resident rows]), for benchmarks and tests.
+bool streaming_kernels() {
+  const char* env = std::getenv("GDR_RMS_NORM_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::string(env) == "resident") return false;
+  TORCH_CHECK(std::string(env) == "streaming",
+              "GDR_RMS_NORM_KERNEL: expected resident or streaming, but got '", env, "'");
+  return true;
+}
 
 void check_launch(int error, const char* op, const char* what) {
   TORCH_CHECK(error == cudaSuccess, op, ": ", what,
@@ -96,6 +109,7 @@ std::tuple<at::Tensor, at::Tensor> zero_centered_forward_cuda(const at::Tensor& 
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor rstd = rstd_like(x);
   kernels::RmsNormForwardArgs args;
+  args.streaming_only = streaming_kernels();
   args.flavour = kernels::RmsNormFlavour::kZeroCentred;
   args.dtype = norm_dtype(x.scalar_type());
   args.weight_fp32 = weight_fp32;
@@ -143,6 +157,7 @@ std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cuda(const at::Tensor&
   const auto [w, weight_fp32] = weight_for(weight, t);
   at::Tensor dx = at::empty(x.sizes(), x.options());
   kernels::RmsNormBackwardArgs args;
+  args.streaming_only = streaming_kernels();
   args.flavour = kernels::RmsNormFlavour::kZeroCentred;
   args.dtype = norm_dtype(t);
   args.weight_fp32 = weight_fp32;
@@ -175,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor> gated_forward_cuda(const at::Tensor& o, const
   at::Tensor y = at::empty(o.sizes(), o.options().dtype(t));
   at::Tensor rstd = rstd_like(o);
   kernels::RmsNormForwardArgs args;
+  args.streaming_only = streaming_kernels();
   args.flavour = kernels::RmsNormFlavour::kGated;
   args.dtype = norm_dtype(t);
   args.weight_fp32 = weight_fp32;
@@ -211,6 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_backward_cuda(const at::Ten
   at::Tensor d_o = at::empty(o.sizes(), o.options().dtype(t));
   at::Tensor dz = at::empty(o.sizes(), o.options().dtype(t));
   kernels::RmsNormBackwardArgs args;
+  args.streaming_only = streaming_kernels();
   args.flavour = kernels::RmsNormFlavour::kGated;
   args.dtype = norm_dtype(t);
   args.weight_fp32 = weight_fp32;
