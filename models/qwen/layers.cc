@@ -166,8 +166,9 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // kernels): the prep kernel widens it as it reads, dv comes back in BF16, and o comes
     // back BF16, so the gated norm below reads o, z and its output gradient in one dtype
     // with no cast passes either way. GDR_CORE_V_FP32=1 widens v first (the core then
-    // returns an FP32 o, which the norm casts with z and the gradients), as before;
-    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_full_fusion.h).
+    // returns an FP32 o, which the norm casts with z and the gradients), as before.
+    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_full_fusion.h)
+    // and rounds the core's FP32 o to the activations' dtype after it (below).
     v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_});
     if (x.scalar_type() != at::kDouble && v.scalar_type() != at::kFloat && core_v_fp32()) {
       v = v.to(at::kFloat);
@@ -195,6 +196,10 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
           gated_delta_rule_recurrent(q, k, v, g, beta, scale, std::nullopt, false, qk_norm));
       break;
   }
+  // Full fusion hands the core FP32 v, so o comes back FP32: rounded here to the
+  // activations' dtype as the other fusion levels' core rounds it (Note [GDR core value
+  // dtype]), the same values into the norm whatever the fusion level.
+  if (fusion_ == PreGdrFusion::kFull && !core_v_fp32()) o = o.to(x.scalar_type());
   const at::Tensor z = in_proj_z(x).reshape({B, T, num_v_heads_, v_head_dim_});
   o = norm(o, z);  // FP32 math, back to z's dtype
   return out_proj(o.reshape({B, T, value_dim}));
