@@ -1,5 +1,6 @@
-// CUDA kernels of the fused partial rotary embedding (kernels/rope.h): a block per row,
-// a thread per element, FP32 math with explicitly rounded products and sums (Note
+// CUDA kernels of the fused partial rotary embedding (kernels/rope.h): a warp per row and
+// 16-byte vectors where the shapes and alignment allow (rope_vec_kernel), else a block per
+// row and a thread per element, FP32 math with explicitly rounded products and sums (Note
 // [Rope rounding]). Memory-bound (one read and one write of the tensor each way); the
 // roofline is HBM bandwidth.
 #include <cuda_runtime.h>
@@ -61,6 +62,84 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs args) {
   }
 }
 
+// The vectorised form: a warp per row, V = 16 bytes of elements per lane and step, so a
+// 256-wide BF16 row is one 16-byte load and store per lane. Needs head_dim % V == 0 and
+// half % V == 0 (a vector never straddles the rotary halves or their end) and 16-byte
+// aligned rows and tables; the same per-element expressions as rope_kernel, so the same
+// bits.
+template <typename T>
+constexpr int kRopeVec = 16 / static_cast<int>(sizeof(T));
+
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kThreads) rope_vec_kernel(const RopeArgs args) {
+  constexpr int V = kRopeVec<T>;
+  constexpr int kWarps = kThreads / 32;
+  const int64_t rows = args.batch * args.heads * args.tokens;
+  const int half = args.rotary / 2;
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t t = row % args.tokens;
+    const int64_t bh = row / args.tokens;
+    const int64_t h = bh % args.heads, b = bh / args.heads;
+    const T* in = static_cast<const T*>(args.in.data) + b * args.in.stride_b +
+                  h * args.in.stride_h + t * args.in.stride_t;
+    T* out = static_cast<T*>(args.out.data) + b * args.out.stride_b + h * args.out.stride_h +
+             t * args.out.stride_t;
+    const float* cos_row = args.cos + t * args.rotary;
+    const float* sin_row = args.sin + t * args.rotary;
+    for (int e0 = lane * V; e0 < args.head_dim; e0 += 32 * V) {
+      if (e0 >= args.rotary) {
+        *reinterpret_cast<Pack<T, V>*>(out + e0) = load_pack<T, V>(in + e0);
+        continue;
+      }
+      const bool low = e0 < half;  // the whole vector is in one half
+      const int partner = low ? e0 + half : e0 - half;
+      float x[V], p[V], c[V], sn[V], value[V];
+      load_floats<T, V>(in + e0, x);
+      load_floats<T, V>(in + partner, p);
+      load_floats<float, V>(cos_row + e0, c);
+      // Forward: sin at e; backward: sin at the partner (the rotated half's position).
+      load_floats<float, V>(sin_row + (kBackward ? partner : e0), sn);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if constexpr (!kBackward) {
+          value[k] = __fadd_rn(__fmul_rn(x[k], c[k]), __fmul_rn(low ? -p[k] : p[k], sn[k]));
+        } else {
+          const float other = low ? __fmul_rn(p[k], sn[k]) : -__fmul_rn(p[k], sn[k]);
+          value[k] = __fadd_rn(__fmul_rn(x[k], c[k]), other);
+        }
+      }
+      store_floats<T, V>(out + e0, value);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+bool vectorisable(const RopeArgs& args) {
+  constexpr int V = kRopeVec<T>;
+  auto operand_ok = [](const RopeOperand& op) {
+    return aligned16(op.data) && op.stride_b % V == 0 && op.stride_h % V == 0 &&
+           op.stride_t % V == 0;
+  };
+  return args.head_dim % V == 0 && (args.rotary / 2) % V == 0 && args.rotary % 4 == 0 &&
+         operand_ok(args.in) && operand_ok(args.out) && aligned16(args.cos) && aligned16(args.sin);
+}
+
+template <typename T, bool kBackward>
+void launch_for(const RopeArgs& args, unsigned int row_blocks, CUstream_st* stream) {
+  if (vectorisable<T>(args)) {
+    const int64_t rows = args.batch * args.heads * args.tokens;
+    const unsigned int blocks = static_cast<unsigned int>(
+        std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), kMaxBlocks));
+    rope_vec_kernel<T, kBackward><<<blocks, kThreads, 0, stream>>>(args);
+  } else {
+    rope_kernel<T, kBackward><<<row_blocks, kThreads, 0, stream>>>(args);
+  }
+}
+
 template <bool kBackward>
 int launch(const RopeArgs& args, CUstream_st* stream) {
   const int64_t total = args.batch * args.heads * args.tokens * args.head_dim;
@@ -73,15 +152,9 @@ int launch(const RopeArgs& args, CUstream_st* stream) {
   const unsigned int blocks = static_cast<unsigned int>(
       std::min<int64_t>(args.batch * args.heads * args.tokens, kMaxBlocks));
   switch (args.dtype) {
-    case RopeDtype::kFloat32:
-      rope_kernel<float, kBackward><<<blocks, kThreads, 0, stream>>>(args);
-      break;
-    case RopeDtype::kFloat16:
-      rope_kernel<__half, kBackward><<<blocks, kThreads, 0, stream>>>(args);
-      break;
-    case RopeDtype::kBFloat16:
-      rope_kernel<__nv_bfloat16, kBackward><<<blocks, kThreads, 0, stream>>>(args);
-      break;
+    case RopeDtype::kFloat32: launch_for<float, kBackward>(args, blocks, stream); break;
+    case RopeDtype::kFloat16: launch_for<__half, kBackward>(args, blocks, stream); break;
+    case RopeDtype::kBFloat16: launch_for<__nv_bfloat16, kBackward>(args, blocks, stream); break;
   }
   return static_cast<int>(cudaGetLastError());
 }

@@ -1,6 +1,7 @@
 // GPU tests of the fused partial RoPE (tag gpu): output and input gradient carry the ATen
 // composite's bits (Note [Rope rounding]) for BF16, FP16 and FP32, the model's transposed
-// layout (kept in the output) and a contiguous one, partial and full rotation.
+// layout (kept in the output) and a contiguous one, partial and full rotation, on the
+// vectorised and the element kernel.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -31,7 +32,9 @@ TEST(RopeGpu, FusedGivesTheCompositeBits) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   for (at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
     for (int64_t head_dim : {256, 64}) {
-      for (int64_t rotary : {int64_t{64}, head_dim}) {
+      // rotary 4: half 2 is not a whole vector, so the element kernel; the others the
+      // vectorised one.
+      for (int64_t rotary : {int64_t{4}, int64_t{64}, head_dim}) {
         for (bool transposed : {true, false}) {
           const std::string what = std::string(c10::toString(dtype)) + " hd " +
                                    std::to_string(head_dim) + " rotary " + std::to_string(rotary) +
