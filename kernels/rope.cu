@@ -22,6 +22,27 @@ __device__ __forceinline__ float load_as_float(const T* p) {
   return StorageElement<T>::to_float(*p);
 }
 
+// Row r = (b H + h) T + t of the input and output, and position t's table rows.
+template <typename T>
+struct RowPointers {
+  const T* in;
+  T* out;
+  const float* cos;
+  const float* sin;
+};
+
+template <typename T>
+__device__ __forceinline__ RowPointers<T> row_pointers(const RopeArgs& args, int64_t row) {
+  const int64_t t = row % args.tokens;
+  const int64_t bh = row / args.tokens;
+  const int64_t h = bh % args.heads, b = bh / args.heads;
+  return {static_cast<const T*>(args.in.data) + b * args.in.stride_b + h * args.in.stride_h +
+              t * args.in.stride_t,
+          static_cast<T*>(args.out.data) + b * args.out.stride_b + h * args.out.stride_h +
+              t * args.out.stride_t,
+          args.cos + t * args.rotary, args.sin + t * args.rotary};
+}
+
 // One block per row (token of one head) at a time, grid-striding over rows; the threads
 // stride over the head dim (one element each at head_dim 256, the model's).
 template <typename T, bool kBackward>
@@ -29,15 +50,11 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs args) {
   const int64_t rows = args.batch * args.heads * args.tokens;
   const int half = args.rotary / 2;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t t = row % args.tokens;
-    const int64_t bh = row / args.tokens;
-    const int64_t h = bh % args.heads, b = bh / args.heads;
-    const T* in = static_cast<const T*>(args.in.data) + b * args.in.stride_b +
-                  h * args.in.stride_h + t * args.in.stride_t;
-    T* out = static_cast<T*>(args.out.data) + b * args.out.stride_b + h * args.out.stride_h +
-             t * args.out.stride_t;
-    const float* cos_row = args.cos + t * args.rotary;
-    const float* sin_row = args.sin + t * args.rotary;
+    const RowPointers<T> r = row_pointers<T>(args, row);
+    const T* in = r.in;
+    T* out = r.out;
+    const float* cos_row = r.cos;
+    const float* sin_row = r.sin;
     for (int e = threadIdx.x; e < args.head_dim; e += kThreads) {
       if (e >= args.rotary) {
         out[e] = in[e];
@@ -79,15 +96,11 @@ __global__ void __launch_bounds__(kThreads) rope_vec_kernel(const RopeArgs args)
   const int lane = threadIdx.x % 32;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t t = row % args.tokens;
-    const int64_t bh = row / args.tokens;
-    const int64_t h = bh % args.heads, b = bh / args.heads;
-    const T* in = static_cast<const T*>(args.in.data) + b * args.in.stride_b +
-                  h * args.in.stride_h + t * args.in.stride_t;
-    T* out = static_cast<T*>(args.out.data) + b * args.out.stride_b + h * args.out.stride_h +
-             t * args.out.stride_t;
-    const float* cos_row = args.cos + t * args.rotary;
-    const float* sin_row = args.sin + t * args.rotary;
+    const RowPointers<T> r = row_pointers<T>(args, row);
+    const T* in = r.in;
+    T* out = r.out;
+    const float* cos_row = r.cos;
+    const float* sin_row = r.sin;
     for (int e0 = lane * V; e0 < args.head_dim; e0 += 32 * V) {
       if (e0 >= args.rotary) {
         *reinterpret_cast<Pack<T, V>*>(out + e0) = load_pack<T, V>(in + e0);

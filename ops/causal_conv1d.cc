@@ -2,6 +2,7 @@
 // the CPU implementation, autograd and the GDR_CAUSAL_CONV switch. The CUDA implementation
 // registers itself from causal_conv1d_cuda.cc (linked only into CUDA binaries).
 #include "ops/causal_conv1d.h"
+#include "ops/env_choice.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/conv1d.h>
@@ -198,12 +199,8 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_silu_backward(const at::Tensor&
 // The switch
 
 CausalConvImpl causal_conv_impl() {
-  const char* env = std::getenv("GDR_CAUSAL_CONV");
-  if (env == nullptr || env[0] == '\0') return CausalConvImpl::kKernel;
-  const std::string value(env);
-  if (value == "kernel") return CausalConvImpl::kKernel;
-  if (value == "aten") return CausalConvImpl::kAten;
-  TORCH_CHECK(false, "GDR_CAUSAL_CONV: expected kernel or aten, but got '", value, "'");
+  return env_picks_second("GDR_CAUSAL_CONV", "kernel", "aten") ? CausalConvImpl::kAten
+                                                               : CausalConvImpl::kKernel;
 }
 
 bool causal_conv1d_kernel_supports(const at::Tensor& x, const at::Tensor& weight) {

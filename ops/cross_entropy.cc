@@ -3,6 +3,7 @@
 // implementation registers itself from cross_entropy_cuda.cc (linked only into CUDA
 // binaries).
 #include "ops/cross_entropy.h"
+#include "ops/env_choice.h"
 
 #include <ATen/core/Reduction.h>
 #include <ATen/ops/_log_softmax_backward_data.h>
@@ -253,12 +254,8 @@ at::Tensor causal_lm_cross_entropy_backward(const at::Tensor& grad_loss, const a
 // The switch
 
 CrossEntropyImpl cross_entropy_impl() {
-  const char* env = std::getenv("GDR_CROSS_ENTROPY");
-  if (env == nullptr || env[0] == '\0') return CrossEntropyImpl::kFused;
-  const std::string value(env);
-  if (value == "fused") return CrossEntropyImpl::kFused;
-  if (value == "composite") return CrossEntropyImpl::kComposite;
-  TORCH_CHECK(false, "GDR_CROSS_ENTROPY: expected fused or composite, but got '", value, "'");
+  return env_picks_second("GDR_CROSS_ENTROPY", "fused", "composite") ? CrossEntropyImpl::kComposite
+                                                                     : CrossEntropyImpl::kFused;
 }
 
 bool cross_entropy_fused_supports(const at::Tensor& logits) {

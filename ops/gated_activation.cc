@@ -2,6 +2,7 @@
 // implementation, autograd and the GDR_GATED_ACTIVATION switch. The CUDA implementation
 // registers itself from gated_activation_cuda.cc (linked only into CUDA binaries).
 #include "ops/gated_activation.h"
+#include "ops/env_choice.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/sigmoid.h>
@@ -170,12 +171,9 @@ std::tuple<at::Tensor, at::Tensor> gated_activation_backward(const at::Tensor& g
 }
 
 GatedActivationImpl gated_activation_impl() {
-  const char* env = std::getenv("GDR_GATED_ACTIVATION");
-  if (env == nullptr || env[0] == '\0') return GatedActivationImpl::kFused;
-  const std::string value(env);
-  if (value == "fused") return GatedActivationImpl::kFused;
-  if (value == "composite") return GatedActivationImpl::kComposite;
-  TORCH_CHECK(false, "GDR_GATED_ACTIVATION: expected fused or composite, but got '", value, "'");
+  return env_picks_second("GDR_GATED_ACTIVATION", "fused", "composite")
+             ? GatedActivationImpl::kComposite
+             : GatedActivationImpl::kFused;
 }
 
 at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& x, GatedActivationKind kind) {

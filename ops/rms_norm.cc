@@ -2,6 +2,7 @@
 // implementation, autograd and the GDR_RMS_NORM switch. The CUDA implementation
 // registers itself from rms_norm_cuda.cc (linked only into CUDA binaries).
 #include "ops/rms_norm.h"
+#include "ops/env_choice.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/sigmoid.h>
@@ -315,12 +316,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_backward(const at:
 // The switch
 
 RmsNormImpl rms_norm_impl() {
-  const char* env = std::getenv("GDR_RMS_NORM");
-  if (env == nullptr || env[0] == '\0') return RmsNormImpl::kFused;
-  const std::string value(env);
-  if (value == "fused") return RmsNormImpl::kFused;
-  if (value == "composite") return RmsNormImpl::kComposite;
-  TORCH_CHECK(false, "GDR_RMS_NORM: expected fused or composite, but got '", value, "'");
+  return env_picks_second("GDR_RMS_NORM", "fused", "composite") ? RmsNormImpl::kComposite
+                                                                : RmsNormImpl::kFused;
 }
 
 bool rms_norm_fused_supports(const at::Tensor& x) {

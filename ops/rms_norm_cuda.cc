@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "kernels/rms_norm.h"
+#include "ops/env_choice.h"
 #include "ops/rms_norm.h"
 #include "ops/rms_norm_internal.h"
 
@@ -28,11 +29,7 @@ using rms_norm_internal::check_forward_inputs;
 // register-resident kernels or the streaming ones whose bits they reproduce (Note [RMSNorm
 // register-resident rows]), for benchmarks and tests.
 bool streaming_kernels() {
-  const char* env = std::getenv("GDR_RMS_NORM_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::string(env) == "resident") return false;
-  TORCH_CHECK(std::string(env) == "streaming",
-              "GDR_RMS_NORM_KERNEL: expected resident or streaming, but got '", env, "'");
-  return true;
+  return env_picks_second("GDR_RMS_NORM_KERNEL", "resident", "streaming");
 }
 
 void check_launch(int error, const char* op, const char* what) {

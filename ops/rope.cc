@@ -2,6 +2,7 @@
 // schema, argument checks, the CPU implementation, autograd and the GDR_ROPE switch. The
 // CUDA implementation registers itself from rope_cuda.cc (linked only into CUDA binaries).
 #include "ops/rope.h"
+#include "ops/env_choice.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
@@ -169,12 +170,8 @@ at::Tensor rope_backward(const at::Tensor& grad_y, const at::Tensor& cos, const 
 }
 
 RopeImpl rope_impl() {
-  const char* env = std::getenv("GDR_ROPE");
-  if (env == nullptr || env[0] == '\0') return RopeImpl::kFused;
-  const std::string value(env);
-  if (value == "fused") return RopeImpl::kFused;
-  if (value == "composite") return RopeImpl::kComposite;
-  TORCH_CHECK(false, "GDR_ROPE: expected fused or composite, but got '", value, "'");
+  return env_picks_second("GDR_ROPE", "fused", "composite") ? RopeImpl::kComposite
+                                                            : RopeImpl::kFused;
 }
 
 at::Tensor partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {

@@ -1,4 +1,5 @@
 #include "models/qwen/layers.h"
+#include "ops/env_choice.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
@@ -69,12 +70,7 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
 
 // GDR_CORE_V_FP32 (Note [GDR core value dtype]): unset or 0 keeps v in the activations'
 // dtype; 1 widens it to FP32. Read at every call.
-static bool core_v_fp32() {
-  const char* env = std::getenv("GDR_CORE_V_FP32");
-  if (env == nullptr || env[0] == '\0' || std::string(env) == "0") return false;
-  TORCH_CHECK(std::string(env) == "1", "GDR_CORE_V_FP32: expected 0 or 1, but got '", env, "'");
-  return true;
-}
+static bool core_v_fp32() { return env_picks_second("GDR_CORE_V_FP32", "0", "1"); }
 
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
   return partial_rope(x, rotary_dim, theta);
