@@ -13,6 +13,7 @@
 
 #include "ops/fused_adamw.h"
 #include "tests/ops/bitwise_equal.h"
+#include "tests/ops/fused_adamw_reference.h"
 #include "tests/ops/gpu_contention.h"
 
 namespace gdr {
@@ -20,24 +21,13 @@ namespace {
 
 using test_support::bitwise_equal;
 
-constexpr double kLr = 3e-4, kBeta1 = 0.9, kBeta2 = 0.95, kWeightDecay = 0.1, kEps = 1e-8;
-
-struct State {
-  std::vector<at::Tensor> masters, grads, exp_avgs, exp_avg_sqs, bf16_params;
-
-  State clone() const {
-    State s;
-    auto copy = [](const std::vector<at::Tensor>& from, std::vector<at::Tensor>& to) {
-      for (const at::Tensor& t : from) to.push_back(t.clone());
-    };
-    copy(masters, s.masters);
-    copy(grads, s.grads);
-    copy(exp_avgs, s.exp_avgs);
-    copy(exp_avg_sqs, s.exp_avg_sqs);
-    copy(bf16_params, s.bf16_params);
-    return s;
-  }
-};
+using State = test_support::AdamWState;
+using test_support::expect_same;
+using test_support::kBeta1;
+using test_support::kBeta2;
+using test_support::kEps;
+using test_support::kLr;
+using test_support::kWeightDecay;
 
 // A CUDA tensor of `shape` whose storage starts `offset` elements into a larger one (offset
 // 1: 4-byte but not 16-byte aligned), filled from `values` (a CPU tensor of that shape).
@@ -84,27 +74,10 @@ void new_grads(State& s, uint64_t seed) {
   for (at::Tensor& g : s.grads) g.copy_(at::randn(g.sizes()) * 1e-2);
 }
 
-void aten_sequence(State& s, std::vector<at::Tensor>& steps, double coef, bool bf16) {
-  const at::NoGradGuard no_grad;
-  if (coef != 1.0) at::_foreach_mul_(s.grads, coef);
-  at::_foreach_add_(steps, 1.0);
-  at::_fused_adamw_(s.masters, s.grads, s.exp_avgs, s.exp_avg_sqs, {}, steps, kLr, kBeta1, kBeta2,
-                    kWeightDecay, kEps, /*amsgrad=*/false, /*maximize=*/false);
-  if (bf16) at::_foreach_copy_(s.bf16_params, s.masters);
-}
-
 void fused(State& s, int64_t step, double coef, bool bf16) {
   fused_adamw_step_(s.masters, s.grads, s.exp_avgs, s.exp_avg_sqs,
                     bf16 ? s.bf16_params : std::vector<at::Tensor>{}, kLr, kBeta1, kBeta2,
                     kWeightDecay, kEps, step, coef);
-}
-
-void expect_same(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
-                 const std::string& what) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_TRUE(bitwise_equal(got[i].cpu(), want[i].cpu())) << what << "[" << i << "]";
-  }
 }
 
 void expect_same_state(const State& got, const State& want, const std::string& what) {
@@ -128,7 +101,7 @@ TEST(FusedAdamWGpu, KernelGivesTheBitsOfTheAtenSequence) {
         new_grads(ours, 100 + step);
         new_grads(ref, 100 + step);
         fused(ours, step, coef, bf16);
-        aten_sequence(ref, steps, coef, bf16);
+        test_support::aten_adamw_sequence(ref, steps, coef, bf16);
         expect_same_state(ours, ref,
                           "coef " + std::to_string(coef) + (bf16 ? " bf16" : " no-bf16") +
                               " step " + std::to_string(step));

@@ -13,6 +13,7 @@
 #include "ops/fused_adamw.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/fused_adamw_reference.h"
 
 namespace gdr {
 namespace {
@@ -20,24 +21,13 @@ namespace {
 using test_support::bitwise_equal;
 using test_support::error_of;
 
-constexpr double kLr = 3e-4, kBeta1 = 0.9, kBeta2 = 0.95, kWeightDecay = 0.1, kEps = 1e-8;
-
-struct State {
-  std::vector<at::Tensor> masters, grads, exp_avgs, exp_avg_sqs, bf16_params;
-
-  State clone() const {
-    State s;
-    auto copy = [](const std::vector<at::Tensor>& from, std::vector<at::Tensor>& to) {
-      for (const at::Tensor& t : from) to.push_back(t.clone());
-    };
-    copy(masters, s.masters);
-    copy(grads, s.grads);
-    copy(exp_avgs, s.exp_avgs);
-    copy(exp_avg_sqs, s.exp_avg_sqs);
-    copy(bf16_params, s.bf16_params);
-    return s;
-  }
-};
+using State = test_support::AdamWState;
+using test_support::expect_same;
+using test_support::kBeta1;
+using test_support::kBeta2;
+using test_support::kEps;
+using test_support::kLr;
+using test_support::kWeightDecay;
 
 State make_state(uint64_t seed) {
   at::manual_seed(seed);
@@ -51,24 +41,6 @@ State make_state(uint64_t seed) {
     s.bf16_params.push_back(s.masters.back().to(at::kBFloat16));
   }
   return s;
-}
-
-// The trainer's former sequence (gdr/trainer.cc before the fused op), on steps counters
-// holding the previous step.
-void aten_sequence(State& s, std::vector<at::Tensor>& steps, double coef, bool bf16) {
-  if (coef != 1.0) at::_foreach_mul_(s.grads, coef);
-  at::_foreach_add_(steps, 1.0);
-  at::_fused_adamw_(s.masters, s.grads, s.exp_avgs, s.exp_avg_sqs, {}, steps, kLr, kBeta1, kBeta2,
-                    kWeightDecay, kEps, /*amsgrad=*/false, /*maximize=*/false);
-  if (bf16) at::_foreach_copy_(s.bf16_params, s.masters);
-}
-
-void expect_same(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
-                 const std::string& what) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_TRUE(bitwise_equal(got[i], want[i])) << what << "[" << i << "]";
-  }
 }
 
 TEST(FusedAdamWKernel, EveryChunkFindsItsTensor) {
@@ -104,7 +76,7 @@ TEST(FusedAdamW, CpuGivesTheBitsOfTheAtenSequence) {
         fused_adamw_step_(ours.masters, ours.grads, ours.exp_avgs, ours.exp_avg_sqs,
                           bf16 ? ours.bf16_params : std::vector<at::Tensor>{}, kLr, kBeta1, kBeta2,
                           kWeightDecay, kEps, step, coef);
-        aten_sequence(ref, steps, coef, bf16);
+        test_support::aten_adamw_sequence(ref, steps, coef, bf16);
         const std::string what = "coef " + std::to_string(coef) + (bf16 ? " bf16" : "") + " step " +
                                  std::to_string(step) + " ";
         expect_same(ours.masters, ref.masters, what + "masters");

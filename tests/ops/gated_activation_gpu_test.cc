@@ -13,24 +13,18 @@
 
 #include "ops/gated_activation.h"
 #include "tests/ops/bitwise_equal.h"
+#include "tests/ops/gated_activation_run.h"
 
 namespace gdr {
 namespace {
 
 using test_support::bitwise_equal;
 
-struct Result {
-  at::Tensor y, grad_gate, grad_x;
-};
+using Result = test_support::GatedActivationResult;
 
-Result run(bool fused, const at::Tensor& gate_in, const at::Tensor& x_in, const at::Tensor& dy,
+Result run(bool fused, const at::Tensor& gate, const at::Tensor& x, const at::Tensor& dy,
            GatedActivationKind kind) {
-  at::Tensor gate = gate_in.detach().requires_grad_(true);
-  at::Tensor x = x_in.detach().requires_grad_(true);
-  const at::Tensor y =
-      fused ? gated_activation_fused(gate, x, kind) : gated_activation_composite(gate, x, kind);
-  auto grads = torch::autograd::grad({y}, {gate, x}, {dy});
-  return {y.detach(), grads[0], grads[1]};
+  return test_support::run_gated_activation(fused, gate, x, dy, kind);
 }
 
 struct Layout {

@@ -13,6 +13,7 @@
 #include "ops/gated_activation.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/gated_activation_run.h"
 #include "tests/ops/scoped_env.h"
 
 namespace gdr {
@@ -21,18 +22,11 @@ namespace {
 using test_support::bitwise_equal;
 using test_support::error_of;
 
-struct Result {
-  at::Tensor y, grad_gate, grad_x;
-};
+using Result = test_support::GatedActivationResult;
 
-Result run(bool fused, const at::Tensor& gate_in, const at::Tensor& x_in, const at::Tensor& dy,
+Result run(bool fused, const at::Tensor& gate, const at::Tensor& x, const at::Tensor& dy,
            GatedActivationKind kind) {
-  at::Tensor gate = gate_in.detach().requires_grad_(true);
-  at::Tensor x = x_in.detach().requires_grad_(true);
-  const at::Tensor y =
-      fused ? gated_activation_fused(gate, x, kind) : gated_activation_composite(gate, x, kind);
-  auto grads = torch::autograd::grad({y}, {gate, x}, {dy});
-  return {y.detach(), grads[0], grads[1]};
+  return test_support::run_gated_activation(fused, gate, x, dy, kind);
 }
 
 // The attention's layout: gate is the second half of each head of a [B, T, H, 2 hd]
