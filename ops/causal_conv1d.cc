@@ -14,9 +14,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "kernels/causal_conv1d.h"
 #include "ops/causal_conv1d_internal.h"
 

@@ -17,9 +17,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "ops/cross_entropy_internal.h"
 
 namespace gdr {

@@ -12,9 +12,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "ops/gated_activation_internal.h"
 
 namespace gdr {

@@ -10,8 +10,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "kernels/rms_norm.h"

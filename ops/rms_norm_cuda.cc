@@ -10,8 +10,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <utility>
 
 #include "kernels/rms_norm.h"

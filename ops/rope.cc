@@ -11,8 +11,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "ops/rope_internal.h"
 

@@ -11,8 +11,6 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <string>
 #include <tuple>
 
 #include "ops/causal_conv1d.h"
