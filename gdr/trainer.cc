@@ -583,9 +583,11 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     }
     stats.tokens *= world;
   }
-  // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order.
-  std::vector<at::Tensor> norms;
-  for (const at::Tensor& p : m.masters) norms.push_back(p.grad().norm());
+  // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order. One
+  // multi-tensor op (on CUDA a few launches of per-chunk partials summed in chunk order:
+  // no atomics, so deterministic) instead of one reduction launch per tensor, which cost
+  // ~2 ms per 0.8B step in 321 launches; on the CPU it is the per-tensor norm.
+  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
   stats.grad_norm = at::stack(norms).norm().item<double>();
   double loss_sum = 0;
   for (double l : stats.microbatch_losses) loss_sum += l;

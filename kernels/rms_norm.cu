@@ -32,26 +32,27 @@ using rms_norm_detail::reduce_partials_block;
 
 // CHUNKS == 0: the streaming bodies (any cols); else the register-resident ones for
 // cols <= CHUNKS * 32 * VEC (Note [RMSNorm register-resident rows]).
-template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, bool kResidual>
 __global__ void __launch_bounds__(kRmsNormForwardWarps * 32)
     rms_norm_forward_kernel(const RmsNormForwardArgs args) {
   if constexpr (CHUNKS == 0) {
-    forward_row<T, TW, VEC, kGated>(args);
+    forward_row<T, TW, VEC, kGated, kResidual>(args);
   } else {
-    forward_row_resident<T, TW, VEC, kGated, CHUNKS>(args);
+    forward_row_resident<T, TW, VEC, kGated, CHUNKS, kResidual>(args);
   }
 }
 
 // The backward's fixed grid gives about 4 programs per SM: the minimum of 4 blocks per SM
 // caps registers at 128 so that they are all resident at once.
-template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc>
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc,
+          bool kResidual>
 __global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32, 4)
     rms_norm_backward_kernel(const RmsNormBackwardArgs args, int64_t rows_per_program) {
   extern __shared__ float column_sums[];  // [warps][cols]
   if constexpr (CHUNKS == 0) {
-    backward_program<T, TW, VEC, kGated>(args, rows_per_program, column_sums);
+    backward_program<T, TW, VEC, kGated, kResidual>(args, rows_per_program, column_sums);
   } else {
-    backward_program_resident<T, TW, VEC, kGated, CHUNKS, STAGES, kSharedAcc>(
+    backward_program_resident<T, TW, VEC, kGated, CHUNKS, STAGES, kSharedAcc, kResidual>(
         args, rows_per_program, column_sums);
   }
 }
@@ -104,23 +105,28 @@ int resident_chunks(int64_t cols, int vec, int max_chunks) {
   return 0;
 }
 
-template <typename T, typename TW, int VEC, bool kGated>
+template <typename T, typename TW, int VEC, bool kGated, bool kResidual>
 void forward_flavoured(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t stream) {
   constexpr int kThreads = kRmsNormForwardWarps * 32;
   if constexpr (VEC == 1) {
-    rms_norm_forward_kernel<T, TW, 1, kGated, 0><<<grid, kThreads, 0, stream>>>(args);
+    rms_norm_forward_kernel<T, TW, 1, kGated, 0, kResidual><<<grid, kThreads, 0, stream>>>(args);
   } else {
     switch (args.streaming_only ? 0 : resident_chunks(args.shape.cols, VEC, 4)) {
       case 1:
-        rms_norm_forward_kernel<T, TW, VEC, kGated, 1><<<grid, kThreads, 0, stream>>>(args);
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 1, kResidual>
+            <<<grid, kThreads, 0, stream>>>(args);
         break;
       case 2:
-        rms_norm_forward_kernel<T, TW, VEC, kGated, 2><<<grid, kThreads, 0, stream>>>(args);
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 2, kResidual>
+            <<<grid, kThreads, 0, stream>>>(args);
         break;
       case 4:
-        rms_norm_forward_kernel<T, TW, VEC, kGated, 4><<<grid, kThreads, 0, stream>>>(args);
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 4, kResidual>
+            <<<grid, kThreads, 0, stream>>>(args);
         break;
-      default: rms_norm_forward_kernel<T, TW, VEC, kGated, 0><<<grid, kThreads, 0, stream>>>(args);
+      default:
+        rms_norm_forward_kernel<T, TW, VEC, kGated, 0, kResidual>
+            <<<grid, kThreads, 0, stream>>>(args);
     }
   }
 }
@@ -128,9 +134,11 @@ void forward_flavoured(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t s
 template <typename T, typename TW, int VEC>
 void forward_typed(const RmsNormForwardArgs& args, dim3 grid, cudaStream_t stream) {
   if (args.flavour == RmsNormFlavour::kGated) {
-    forward_flavoured<T, TW, VEC, true>(args, grid, stream);
+    forward_flavoured<T, TW, VEC, true, false>(args, grid, stream);
+  } else if (args.residual.data != nullptr) {
+    forward_flavoured<T, TW, VEC, false, true>(args, grid, stream);
   } else {
-    forward_flavoured<T, TW, VEC, false>(args, grid, stream);
+    forward_flavoured<T, TW, VEC, false, false>(args, grid, stream);
   }
 }
 
@@ -141,7 +149,8 @@ int launch_forward(const RmsNormForwardArgs& args, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(blocks));
   const bool gated = args.flavour == RmsNormFlavour::kGated;
   const RowOperand none;
-  if (can_vectorize<T>(args.shape, {&args.x, gated ? &args.z : &none}, {args.y})) {
+  if (can_vectorize<T>(args.shape, {&args.x, gated ? &args.z : &none, &args.residual},
+                       {args.y, args.sum})) {
     forward_typed<T, TW, 16 / sizeof(T)>(args, grid, stream);
   } else {
     forward_typed<T, TW, 1>(args, grid, stream);
@@ -156,7 +165,8 @@ int launch_forward(const RmsNormForwardArgs& args, cudaStream_t stream) {
 // silu and silu' between the passes; 16-bit rows cost more, as ptxas keeps both passes'
 // unpacked floats. With one chunk, 3 stages (two rows prefetched) where they fit; with
 // four, no row ahead, but a warp still has all 8 packs of its row in flight (and at the
-// model's cols = 1024 each warp owns a single row anyway).
+// model's cols = 1024 each warp owns a single row anyway). The residual add's stream
+// gradient is one more operand per stage; the plans keep their stages (no spills, ptxas).
 struct BackwardPlan {
   int stages;
   bool shared_acc;
@@ -175,7 +185,7 @@ constexpr BackwardPlan backward_plan(bool gated, int element_bytes, int chunks) 
   return {0, false};
 }
 
-template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, bool kResidual>
 void backward_launch(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
                      cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(launch.programs));
@@ -184,25 +194,25 @@ void backward_launch(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunc
   constexpr BackwardPlan kPlan =
       CHUNKS == 0 ? BackwardPlan{0, false} : backward_plan(kGated, sizeof(T), CHUNKS);
   if constexpr (kPlan.stages == 0) {
-    rms_norm_backward_kernel<T, TW, VEC, kGated, 0, 1, false>
+    rms_norm_backward_kernel<T, TW, VEC, kGated, 0, 1, false, kResidual>
         <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
   } else {
-    rms_norm_backward_kernel<T, TW, VEC, kGated, CHUNKS, kPlan.stages, kPlan.shared_acc>
+    rms_norm_backward_kernel<T, TW, VEC, kGated, CHUNKS, kPlan.stages, kPlan.shared_acc, kResidual>
         <<<grid, threads, shared, stream>>>(args, launch.rows_per_program);
   }
 }
 
-template <typename T, typename TW, int VEC, bool kGated>
+template <typename T, typename TW, int VEC, bool kGated, bool kResidual>
 void backward_flavoured(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
                         cudaStream_t stream) {
   if constexpr (VEC == 1) {
-    backward_launch<T, TW, 1, kGated, 0>(args, launch, stream);
+    backward_launch<T, TW, 1, kGated, 0, kResidual>(args, launch, stream);
   } else {
     switch (args.streaming_only ? 0 : resident_chunks(args.shape.cols, VEC, 4)) {
-      case 1: backward_launch<T, TW, VEC, kGated, 1>(args, launch, stream); break;
-      case 2: backward_launch<T, TW, VEC, kGated, 2>(args, launch, stream); break;
-      case 4: backward_launch<T, TW, VEC, kGated, 4>(args, launch, stream); break;
-      default: backward_launch<T, TW, VEC, kGated, 0>(args, launch, stream);
+      case 1: backward_launch<T, TW, VEC, kGated, 1, kResidual>(args, launch, stream); break;
+      case 2: backward_launch<T, TW, VEC, kGated, 2, kResidual>(args, launch, stream); break;
+      case 4: backward_launch<T, TW, VEC, kGated, 4, kResidual>(args, launch, stream); break;
+      default: backward_launch<T, TW, VEC, kGated, 0, kResidual>(args, launch, stream);
     }
   }
 }
@@ -211,9 +221,11 @@ template <typename T, typename TW, int VEC>
 void backward_typed(const RmsNormBackwardArgs& args, const RmsNormBackwardLaunch& launch,
                     cudaStream_t stream) {
   if (args.flavour == RmsNormFlavour::kGated) {
-    backward_flavoured<T, TW, VEC, true>(args, launch, stream);
+    backward_flavoured<T, TW, VEC, true, false>(args, launch, stream);
+  } else if (args.grad_sum.data != nullptr) {
+    backward_flavoured<T, TW, VEC, false, true>(args, launch, stream);
   } else {
-    backward_flavoured<T, TW, VEC, false>(args, launch, stream);
+    backward_flavoured<T, TW, VEC, false, false>(args, launch, stream);
   }
 }
 
@@ -224,7 +236,7 @@ int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
   if (launch.programs > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
   const bool gated = args.flavour == RmsNormFlavour::kGated;
   const RowOperand none;
-  if (can_vectorize<T>(args.shape, {&args.x, &args.grad_y, gated ? &args.z : &none},
+  if (can_vectorize<T>(args.shape, {&args.x, &args.grad_y, gated ? &args.z : &none, &args.grad_sum},
                        {args.dx, gated ? args.dz : nullptr})) {
     backward_typed<T, TW, 16 / sizeof(T)>(args, launch, stream);
   } else {
@@ -238,6 +250,10 @@ int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
 int launch_rms_norm_forward(const RmsNormForwardArgs& args, CUstream_st* stream) {
   if (!rms_norm_supports_cols(args.shape.cols) || args.shape.rows < 0 || args.shape.row_dims < 1 ||
       args.shape.row_dims > kRmsNormMaxRowDims) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const bool residual = args.residual.data != nullptr;
+  if (residual && (args.flavour != RmsNormFlavour::kZeroCentred || args.sum == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (args.shape.rows == 0) return static_cast<int>(cudaSuccess);
@@ -257,6 +273,9 @@ int launch_rms_norm_forward(const RmsNormForwardArgs& args, CUstream_st* stream)
 int launch_rms_norm_backward(const RmsNormBackwardArgs& args, CUstream_st* stream) {
   if (!rms_norm_supports_cols(args.shape.cols) || args.shape.rows < 0 || args.shape.row_dims < 1 ||
       args.shape.row_dims > kRmsNormMaxRowDims) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (args.grad_sum.data != nullptr && args.flavour != RmsNormFlavour::kZeroCentred) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (args.shape.rows == 0) return static_cast<int>(cudaSuccess);

@@ -57,6 +57,11 @@ struct RmsNormForwardArgs {
   float eps = 0.0f;
   void* y = nullptr;      // [rows, cols] contiguous, `dtype`
   float* rstd = nullptr;  // [rows]; may be null (no backward will follow)
+  // Zero-centred only, optional (Note [RMSNorm with the residual add]): when
+  // residual.data is set, the row normalised is sum = x + residual, rounded to `dtype` as
+  // ATen's add rounds it, and written to `sum` ([rows, cols] contiguous, `dtype`).
+  RowOperand residual;
+  void* sum = nullptr;
   // The streaming one-row-at-a-time kernel, whose bits the faster register-resident
   // variants reproduce (Note [RMSNorm register-resident rows]); for tests and benchmarks
   // (GDR_RMS_NORM_KERNEL=streaming in ops/rms_norm_cuda.cc).
@@ -75,6 +80,11 @@ struct RmsNormBackwardArgs {
   void* dz = nullptr;           // gated only
   float* partials = nullptr;    // [programs, cols] FP32 scratch, every slot written
   bool streaming_only = false;  // as in RmsNormForwardArgs
+  // Zero-centred only, optional (Note [RMSNorm with the residual add]): when
+  // grad_sum.data is set, dx = round(round(dx) + grad_sum): the gradient of the sum that
+  // the forward normalised, with the residual stream's gradient added as autograd would
+  // add it. x is then that sum.
+  RowOperand grad_sum;
 };
 
 // Forward: one row per warp, kRmsNormForwardWarps rows per block. Rows are independent,

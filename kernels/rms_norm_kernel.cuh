@@ -104,13 +104,52 @@ __device__ __forceinline__ int64_t acc_index(int64_t c, int64_t cols) {
   return (c % VEC) * (cols / VEC) + c / VEC;
 }
 
+// Note [RMSNorm with the residual add]
+// The model's pre-norm residual stream is h = x + r followed by norm(h), and in the
+// backward autograd adds the norm's dx to the stream's own gradient: two extra elementwise
+// passes (and kernel launches) per norm. With a residual operand the zero-centred kernels
+// do both in the norm's pass, with the composite's bits: the sum is one FP32 add of the
+// widened operands rounded to the storage type (ATen's add of two tensors of that type,
+// alpha = 1), and it is that rounded sum which is normalised and written out; the
+// backward rounds its dx to the storage type first, then adds the widened stream gradient
+// and rounds again (autograd's add of two gradients of that type).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const Pack<T, VEC>& b) {
+  Pack<T, VEC> sum;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    sum.v[k] = StorageElement<T>::from_float(StorageElement<T>::to_float(a.v[k]) +
+                                             StorageElement<T>::to_float(b.v[k]));
+  }
+  return sum;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& pack) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<Pack<T, VEC>*>(p) = pack;
+#else
+  for (int k = 0; k < VEC; ++k) p[k] = pack.v[k];
+#endif
+}
+
+// dx rounded to the storage type, plus the stream gradient (the store rounds the total).
+template <typename T, int VEC>
+__device__ __forceinline__ void add_stream_gradient(float (&dx)[VEC], const float (&ds)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    dx[k] = StorageElement<T>::to_float(StorageElement<T>::from_float(dx[k])) + ds[k];
+  }
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernel bodies
 
 // Forward: one row per warp, kRmsNormForwardWarps rows per block. Two passes over the
 // row (sum of squares, then the output); the second reads the row again, from L1/L2.
-template <typename T, typename TW, int VEC, bool kGated>
+template <typename T, typename TW, int VEC, bool kGated, bool kResidual = false>
 __device__ __forceinline__ void forward_row(const RmsNormForwardArgs& a) {
+  static_assert(!(kGated && kResidual), "the residual add is for the zero-centred norm");
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRmsNormForwardWarps +
                       static_cast<int64_t>(threadIdx.x / 32);
@@ -120,20 +159,33 @@ __device__ __forceinline__ void forward_row(const RmsNormForwardArgs& a) {
   const T* z = kGated ? static_cast<const T*>(a.z.data) + row_offset(a.shape, a.z, row) : nullptr;
   const TW* w = static_cast<const TW*>(a.weight);
   T* y = static_cast<T*>(a.y) + row * cols;
+  // With the residual add, pass 1 writes the rounded sum and pass 2 reads it back (each
+  // lane its own columns, so its own writes).
+  T* sum = kResidual ? static_cast<T*>(a.sum) + row * cols : nullptr;
+  const T* r = kResidual
+                   ? static_cast<const T*>(a.residual.data) + row_offset(a.shape, a.residual, row)
+                   : nullptr;
 
   float sumsq = 0.0f;
   for (int64_t c = lane * VEC; c < cols; c += 32 * VEC) {
     float xv[VEC];
-    load_floats<T, VEC>(x + c, xv);
+    if constexpr (kResidual) {
+      const Pack<T, VEC> sp = add_packs<T, VEC>(load_pack<T, VEC>(x + c), load_pack<T, VEC>(r + c));
+      store_pack<T, VEC>(sum + c, sp);
+      unpack<T, VEC>(sp, xv);
+    } else {
+      load_floats<T, VEC>(x + c, xv);
+    }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) sumsq += xv[k] * xv[k];
   }
   const float rstd = rsqrtf(warp_sum(sumsq) * (1.0f / static_cast<float>(cols)) + a.eps);
   if (lane == 0 && a.rstd != nullptr) a.rstd[row] = rstd;
 
+  const T* normalised = kResidual ? sum : x;
   for (int64_t c = lane * VEC; c < cols; c += 32 * VEC) {
     float xv[VEC], zv[VEC], out[VEC];
-    load_floats<T, VEC>(x + c, xv);
+    load_floats<T, VEC>(normalised + c, xv);
     if constexpr (kGated) load_floats<T, VEC>(z + c, zv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
@@ -156,9 +208,10 @@ __device__ __forceinline__ void forward_row(const RmsNormForwardArgs& a) {
 // (gated); pass 2 writes dx = rstd * (dn - n * mean(dn * n)), dz = dy * n * w * silu'(z),
 // and adds dy * n [* silu(z)] into the warp's column sums. `shared` holds
 // warps * cols floats.
-template <typename T, typename TW, int VEC, bool kGated>
+template <typename T, typename TW, int VEC, bool kGated, bool kResidual = false>
 __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
                                                  int64_t rows_per_program, float* shared) {
+  static_assert(!(kGated && kResidual), "the residual add is for the zero-centred norm");
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -180,6 +233,9 @@ __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
     const T* z = kGated ? static_cast<const T*>(a.z.data) + row_offset(a.shape, a.z, row) : nullptr;
     T* dx = static_cast<T*>(a.dx) + row * cols;
     T* dz = kGated ? static_cast<T*>(a.dz) + row * cols : nullptr;
+    const T* ds =
+        kResidual ? static_cast<const T*>(a.grad_sum.data) + row_offset(a.shape, a.grad_sum, row)
+                  : nullptr;
     const float rstd = a.rstd[row];
 
     float dot = 0.0f;
@@ -227,6 +283,11 @@ __device__ __forceinline__ void backward_program(const RmsNormBackwardArgs& a,
         }
         dxv[k] = rstd * (dn - n * mean_dot);
         acc[acc_index<VEC>(c + k, cols)] += dw_term;
+      }
+      if constexpr (kResidual) {
+        float dsv[VEC];
+        load_floats<T, VEC>(ds + c, dsv);
+        add_stream_gradient<T, VEC>(dxv, dsv);
       }
       store_floats<T, VEC>(dx + c, dxv);
       if constexpr (kGated) store_floats<T, VEC>(dz + c, dzv);
@@ -293,10 +354,27 @@ __device__ __forceinline__ void load_weight_packs(const void* weight, int64_t co
   }
 }
 
+// The lane's weights of chunk j, loaded where they are used instead of held for the whole
+// program: the residual-add backward variants hold one more operand per row (the stream
+// gradient) and would spill with the weights in registers too (ptxas, 16-bit rows of 2 and
+// 4 chunks); the reloads hit L1, as every warp reads the same weight row.
+template <typename TW, int VEC>
+__device__ __forceinline__ Pack<TW, VEC> load_weight_pack(const void* weight, int64_t c) {
+  const TW* w = static_cast<const TW*>(weight);
+  if (VEC > 1 && reinterpret_cast<uintptr_t>(weight) % sizeof(Pack<TW, VEC>) == 0) {
+    return load_pack<TW, VEC>(w + c);
+  }
+  Pack<TW, VEC> pack;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) pack.v[k] = w[c + k];
+  return pack;
+}
+
 // Forward of one row per warp with the row (x and z) loaded in one go: needs
 // cols <= CHUNKS * 32 * VEC. Same bits as forward_row.
-template <typename T, typename TW, int VEC, bool kGated, int CHUNKS>
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, bool kResidual = false>
 __device__ __forceinline__ void forward_row_resident(const RmsNormForwardArgs& a) {
+  static_assert(!(kGated && kResidual), "the residual add is for the zero-centred norm");
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRmsNormForwardWarps +
                       static_cast<int64_t>(threadIdx.x / 32);
@@ -311,6 +389,21 @@ __device__ __forceinline__ void forward_row_resident(const RmsNormForwardArgs& a
   if constexpr (kGated) {
     const T* z = static_cast<const T*>(a.z.data) + operand_offset(index, a.z, a.shape.row_dims);
     load_row_packs<T, VEC, CHUNKS>(z, cols, lane, zp);
+  }
+  if constexpr (kResidual) {  // from here on xp holds the rounded sum
+    Pack<T, VEC> rp[CHUNKS];
+    load_row_packs<T, VEC, CHUNKS>(static_cast<const T*>(a.residual.data) +
+                                       operand_offset(index, a.residual, a.shape.row_dims),
+                                   cols, lane, rp);
+    T* sum = static_cast<T*>(a.sum) + row * cols;
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
+      if (c < cols) {
+        xp[j] = add_packs<T, VEC>(xp[j], rp[j]);
+        store_pack<T, VEC>(sum + c, xp[j]);
+      }
+    }
   }
   Pack<TW, VEC> wp[CHUNKS];
   load_weight_packs<TW, VEC, CHUNKS>(a.weight, cols, lane, wp);
@@ -355,16 +448,16 @@ __device__ __forceinline__ void forward_row_resident(const RmsNormForwardArgs& a
 
 // One row of the backward in flight: the lane's packs of x, grad_y (and z) and the row's
 // rstd, loaded by load_backward_row long before process_backward_row uses them.
-template <typename T, int VEC, int CHUNKS, bool kGated>
+template <typename T, int VEC, int CHUNKS, bool kGated, bool kResidual = false>
 struct BackwardRow {
-  Pack<T, VEC> x[CHUNKS], dy[CHUNKS], z[kGated ? CHUNKS : 1];
+  Pack<T, VEC> x[CHUNKS], dy[CHUNKS], z[kGated ? CHUNKS : 1], ds[kResidual ? CHUNKS : 1];
   float rstd;
 };
 
-template <typename T, int VEC, int CHUNKS, bool kGated>
-__device__ __forceinline__ void load_backward_row(const RmsNormBackwardArgs& a, int64_t row,
-                                                  int lane,
-                                                  BackwardRow<T, VEC, CHUNKS, kGated>& r) {
+template <typename T, int VEC, int CHUNKS, bool kGated, bool kResidual = false>
+__device__ __forceinline__ void load_backward_row(
+    const RmsNormBackwardArgs& a, int64_t row, int lane,
+    BackwardRow<T, VEC, CHUNKS, kGated, kResidual>& r) {
   const int64_t cols = a.shape.cols;
   const int dims = a.shape.row_dims;
   const RowIndex index = row_index(a.shape, row);
@@ -377,6 +470,11 @@ __device__ __forceinline__ void load_backward_row(const RmsNormBackwardArgs& a, 
     load_row_packs<T, VEC, CHUNKS>(
         static_cast<const T*>(a.z.data) + operand_offset(index, a.z, dims), cols, lane, r.z);
   }
+  if constexpr (kResidual) {
+    load_row_packs<T, VEC, CHUNKS>(
+        static_cast<const T*>(a.grad_sum.data) + operand_offset(index, a.grad_sum, dims), cols,
+        lane, r.ds);
+  }
   r.rstd = a.rstd[row];
 }
 
@@ -384,13 +482,12 @@ __device__ __forceinline__ void load_backward_row(const RmsNormBackwardArgs& a, 
 // columns. The warp's column sums of those columns live in `acc` or, with kSharedAcc, in
 // the warp's shared-memory row `warp_acc` as in backward_program (fewer registers: the
 // wide 16-bit rows need them for the row itself).
-template <typename T, typename TW, int VEC, int CHUNKS, bool kGated, bool kSharedAcc>
-__device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& a, int64_t row,
-                                                     int lane,
-                                                     const BackwardRow<T, VEC, CHUNKS, kGated>& r,
-                                                     const Pack<TW, VEC> (&wp)[CHUNKS],
-                                                     float (&acc)[kSharedAcc ? 1 : CHUNKS][VEC],
-                                                     float* warp_acc) {
+template <typename T, typename TW, int VEC, int CHUNKS, bool kGated, bool kSharedAcc,
+          bool kResidual = false>
+__device__ __forceinline__ void process_backward_row(
+    const RmsNormBackwardArgs& a, int64_t row, int lane,
+    const BackwardRow<T, VEC, CHUNKS, kGated, kResidual>& r, const Pack<TW, VEC> (&wp)[CHUNKS],
+    float (&acc)[kSharedAcc ? 1 : CHUNKS][VEC], float* warp_acc) {
   const int64_t cols = a.shape.cols;
   const float rstd = r.rstd;
   // silu(z) and silu'(z) of pass 1, reused by pass 2 (an exp and two divisions each).
@@ -405,7 +502,7 @@ __device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& 
       unpack<T, VEC>(r.x[j], xv);
       unpack<T, VEC>(r.dy[j], gv);
       if constexpr (kGated) unpack<T, VEC>(r.z[j], zv);
-      unpack<TW, VEC>(wp[j], wv);
+      unpack<TW, VEC>(kResidual ? load_weight_pack<TW, VEC>(a.weight, c) : wp[j], wv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float n = xv[k] * rstd;
@@ -431,7 +528,7 @@ __device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& 
       float xv[VEC], gv[VEC], wv[VEC], dxv[VEC], dzv[VEC];
       unpack<T, VEC>(r.x[j], xv);
       unpack<T, VEC>(r.dy[j], gv);
-      unpack<TW, VEC>(wp[j], wv);
+      unpack<TW, VEC>(kResidual ? load_weight_pack<TW, VEC>(a.weight, c) : wp[j], wv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float n = xv[k] * rstd;
@@ -451,6 +548,11 @@ __device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& 
           acc[j][k] += dw_term;
         }
       }
+      if constexpr (kResidual) {
+        float dsv[VEC];
+        unpack<T, VEC>(r.ds[j], dsv);
+        add_stream_gradient<T, VEC>(dxv, dsv);
+      }
       store_floats<T, VEC>(dx + c, dxv);
       if constexpr (kGated) store_floats<T, VEC>(dz + c, dzv);
     }
@@ -461,9 +563,11 @@ __device__ __forceinline__ void process_backward_row(const RmsNormBackwardArgs& 
 // walks its rows (begin + warp, + warps, ...) in order with STAGES rows in flight: the
 // loads of row i + STAGES - 1 are issued before row i's reduction, math and stores. Same
 // bits as backward_program (Note [RMSNorm register-resident rows]).
-template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc>
+template <typename T, typename TW, int VEC, bool kGated, int CHUNKS, int STAGES, bool kSharedAcc,
+          bool kResidual = false>
 __device__ __forceinline__ void backward_program_resident(const RmsNormBackwardArgs& a,
                                                           int64_t rows_per_program, float* shared) {
+  static_assert(!(kGated && kResidual), "the residual add is for the zero-centred norm");
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -471,7 +575,7 @@ __device__ __forceinline__ void backward_program_resident(const RmsNormBackwardA
   const int64_t cols = a.shape.cols;
 
   Pack<TW, VEC> wp[CHUNKS];
-  load_weight_packs<TW, VEC, CHUNKS>(a.weight, cols, lane, wp);
+  if constexpr (!kResidual) load_weight_packs<TW, VEC, CHUNKS>(a.weight, cols, lane, wp);
   float acc[kSharedAcc ? 1 : CHUNKS][VEC];
   float* warp_acc = shared + warp * cols;
 #pragma unroll
@@ -490,11 +594,11 @@ __device__ __forceinline__ void backward_program_resident(const RmsNormBackwardA
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * rows_per_program;
   const int64_t end = begin + rows_per_program < rows ? begin + rows_per_program : rows;
   const int64_t first = begin + warp;
-  BackwardRow<T, VEC, CHUNKS, kGated> stage[STAGES];
+  BackwardRow<T, VEC, CHUNKS, kGated, kResidual> stage[STAGES];
 #pragma unroll
   for (int s = 0; s + 1 < STAGES; ++s) {
     const int64_t row = first + static_cast<int64_t>(s) * warps;
-    if (row < end) load_backward_row<T, VEC, CHUNKS, kGated>(a, row, lane, stage[s]);
+    if (row < end) load_backward_row<T, VEC, CHUNKS, kGated, kResidual>(a, row, lane, stage[s]);
   }
   // Unrolled by STAGES so that every stage index is a compile-time constant (registers,
   // not local memory). Row checks are warp-uniform.
@@ -503,12 +607,13 @@ __device__ __forceinline__ void backward_program_resident(const RmsNormBackwardA
     for (int s = 0; s < STAGES; ++s) {
       const int64_t ahead = base + static_cast<int64_t>(s + STAGES - 1) * warps;
       if (ahead < end) {
-        load_backward_row<T, VEC, CHUNKS, kGated>(a, ahead, lane, stage[(s + STAGES - 1) % STAGES]);
+        load_backward_row<T, VEC, CHUNKS, kGated, kResidual>(a, ahead, lane,
+                                                             stage[(s + STAGES - 1) % STAGES]);
       }
       const int64_t row = base + static_cast<int64_t>(s) * warps;
       if (row < end)
-        process_backward_row<T, TW, VEC, CHUNKS, kGated, kSharedAcc>(a, row, lane, stage[s], wp,
-                                                                     acc, warp_acc);
+        process_backward_row<T, TW, VEC, CHUNKS, kGated, kSharedAcc, kResidual>(
+            a, row, lane, stage[s], wp, acc, warp_acc);
     }
   }
 

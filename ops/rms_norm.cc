@@ -77,10 +77,22 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_y, const at::T
               " is on ", x.device(), "; expected all tensors on one device");
 }
 
+void check_same_as_x(const char* op, const at::Tensor& t, const char* name, const at::Tensor& x,
+                     const char* x_name) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.sizes() == x.sizes(), op, ": expected ", name, " of shape ", x.sizes(),
+              " (same as ", x_name, "), but got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": expected ", name, " of dtype ",
+              x.scalar_type(), " (same as ", x_name, "), but got ", t.scalar_type());
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but ", x_name,
+              " is on ", x.device(), "; expected all tensors on one device");
+}
+
 }  // namespace rms_norm_internal
 
 using rms_norm_internal::check_backward_inputs;
 using rms_norm_internal::check_forward_inputs;
+using rms_norm_internal::check_same_as_x;
 
 // ---------------------------------------------------------------------------
 // The compositions (moved unchanged from models/qwen/layers.cc: the model's numerics on
@@ -172,6 +184,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_backward_cpu(const at::Tens
           sum_rows(g * n * silu).to(weight.scalar_type())};
 }
 
+// The residual add on the CPU: ATen's add, then the norm above; the backward adds the
+// norm's dx (in the input dtype) and grad_sum as autograd's accumulation would.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_forward_cpu(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  constexpr const char* kOp = "add_zero_centered_rms_norm";
+  check_forward_inputs(kOp, x, "x", nullptr, weight);
+  check_same_as_x(kOp, residual, "residual", x, "x");
+  const at::Tensor sum = x + residual;
+  auto [y, rstd] = zero_centered_forward_cpu(sum, weight, eps);
+  return {y, sum, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_backward_cpu(
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd) {
+  constexpr const char* kOp = "add_zero_centered_rms_norm_backward";
+  check_backward_inputs(kOp, grad_y, sum, "sum", nullptr, weight, rstd);
+  const bool has_grad_sum = grad_sum.has_value() && grad_sum->defined();
+  if (has_grad_sum) check_same_as_x(kOp, *grad_sum, "grad_sum", sum, "sum");
+  auto [dx, dw] = zero_centered_backward_cpu(grad_y, sum, weight, rstd);
+  if (has_grad_sum) dx = dx + *grad_sum;
+  return {dx, dw};
+}
+
 // ---------------------------------------------------------------------------
 // Autograd
 
@@ -182,6 +218,14 @@ using ForwardGated = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const
                                                         const at::Tensor&, double, at::ScalarType);
 using BackwardGated = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+using ForwardAddZc = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                    const at::Tensor&,
+                                                                    const at::Tensor&, double);
+using BackwardAddZc = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                         const std::optional<at::Tensor>&,
+                                                         const at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -204,6 +248,42 @@ const c10::TypedOperatorHandle<BackwardGated>& gated_backward_op() {
   static const auto op = find_op<BackwardGated>("gdr::gated_rms_norm_backward");
   return op;
 }
+
+const c10::TypedOperatorHandle<ForwardAddZc>& add_zc_forward_op() {
+  static const auto op = find_op<ForwardAddZc>("gdr::add_zero_centered_rms_norm_forward");
+  return op;
+}
+const c10::TypedOperatorHandle<BackwardAddZc>& add_zc_backward_op() {
+  static const auto op = find_op<BackwardAddZc>("gdr::add_zero_centered_rms_norm_backward");
+  return op;
+}
+
+// Outputs (y, sum); x and residual get the same gradient, the sum's.
+class AddZeroCenteredRmsNormFunction
+    : public torch::autograd::Function<AddZeroCenteredRmsNormFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, sum, rstd] = add_zc_forward_op().call(x, residual, weight, eps);
+    ctx->save_for_backward({sum, weight, rstd});
+    return {y, sum};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& grad_y = grads[0];
+    const at::Tensor& grad_sum = grads[1];
+    if (!grad_y.defined()) return {grad_sum, grad_sum, at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::optional<at::Tensor> stream_grad;
+    if (grad_sum.defined()) stream_grad = grad_sum;
+    auto [dx, dw] = add_zc_backward_op().call(grad_y, stream_grad, saved[0], saved[1], saved[2]);
+    return {dx, dx, dw, at::Tensor()};
+  }
+};
 
 class ZeroCenteredRmsNormFunction : public torch::autograd::Function<ZeroCenteredRmsNormFunction> {
  public:
@@ -260,6 +340,12 @@ TORCH_LIBRARY_FRAGMENT(gdr, m) {
       "zero_centered_rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> "
       "(Tensor dx, Tensor dw)");
   m.def(
+      "add_zero_centered_rms_norm_forward(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+      "(Tensor y, Tensor sum, Tensor rstd)");
+  m.def(
+      "add_zero_centered_rms_norm_backward(Tensor grad_y, Tensor? grad_sum, Tensor sum, Tensor "
+      "weight, Tensor rstd) -> (Tensor dx, Tensor dw)");
+  m.def(
       "gated_rms_norm_forward(Tensor o, Tensor z, Tensor weight, float eps, ScalarType out_dtype) "
       "-> (Tensor y, Tensor rstd)");
   m.def(
@@ -270,6 +356,8 @@ TORCH_LIBRARY_FRAGMENT(gdr, m) {
 TORCH_LIBRARY_IMPL(gdr, CPU, m) {
   m.impl("zero_centered_rms_norm_forward", &zero_centered_forward_cpu);
   m.impl("zero_centered_rms_norm_backward", &zero_centered_backward_cpu);
+  m.impl("add_zero_centered_rms_norm_forward", &add_zero_centered_forward_cpu);
+  m.impl("add_zero_centered_rms_norm_backward", &add_zero_centered_backward_cpu);
   m.impl("gated_rms_norm_forward", &gated_forward_cpu);
   m.impl("gated_rms_norm_backward", &gated_backward_cpu);
 }
@@ -281,6 +369,25 @@ at::Tensor zero_centered_rms_norm_fused(const at::Tensor& x, const at::Tensor& w
 at::Tensor gated_rms_norm_fused(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
                                 double eps, at::ScalarType out_dtype) {
   return GatedRmsNormFunction::apply(o, z, weight, eps, out_dtype)[0];
+}
+
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_rms_norm_fused(const at::Tensor& x,
+                                                                    const at::Tensor& residual,
+                                                                    const at::Tensor& weight,
+                                                                    double eps) {
+  const auto outputs = AddZeroCenteredRmsNormFunction::apply(x, residual, weight, eps);
+  return {outputs[0], outputs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_rms_norm_forward(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  return add_zc_forward_op().call(x, residual, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_rms_norm_backward(
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd) {
+  return add_zc_backward_op().call(grad_y, grad_sum, sum, weight, rstd);
 }
 
 std::tuple<at::Tensor, at::Tensor> zero_centered_rms_norm_forward(const at::Tensor& x,
@@ -316,6 +423,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_backward(const at:
 RmsNormImpl rms_norm_impl() {
   return env_picks_second("GDR_RMS_NORM", "fused", "composite") ? RmsNormImpl::kComposite
                                                                 : RmsNormImpl::kFused;
+}
+
+AddRmsNormImpl add_rms_norm_impl() {
+  return env_picks_second("GDR_ADD_RMS_NORM", "fused", "composite") ? AddRmsNormImpl::kComposite
+                                                                    : AddRmsNormImpl::kFused;
 }
 
 bool rms_norm_fused_supports(const at::Tensor& x) {

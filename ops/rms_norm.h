@@ -20,6 +20,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
 
 namespace gdr {
@@ -51,6 +52,33 @@ std::tuple<at::Tensor, at::Tensor> gated_rms_norm_forward(const at::Tensor& o, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_backward(
     const at::Tensor& grad_y, const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
     const at::Tensor& rstd);  // (do, dz, dw)
+
+// The zero-centred norm of a residual sum, for the pre-norm residual stream
+// (h = x + residual; normed = norm(h)): returns (y, sum) with sum = x + residual in x's
+// dtype (ATen's add, one rounding) and y = zero_centered_rms_norm(sum). The gradients of
+// x and residual are both d(sum) = dx_norm(grad_y) + grad_sum, rounded as autograd would
+// round the norm's dx and the add of the two (Note [RMSNorm with the residual add] in
+// kernels/rms_norm_kernel.cuh), so the fused op gives the bits of the composite
+//   sum = x + residual; y = zero_centered_rms_norm_fused(sum)
+// in one kernel each way instead of three (the add, the norm, autograd's add of the two
+// gradients of sum). x and residual: one shape, dtype and device.
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_rms_norm_fused(const at::Tensor& x,
+                                                                    const at::Tensor& residual,
+                                                                    const at::Tensor& weight,
+                                                                    double eps);
+// The ops alone: (y, sum, rstd); and (dx, dw) where dx is the gradient of the sum (that is,
+// of x and of residual). grad_sum may be undefined (no other use of the sum).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_rms_norm_forward(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_rms_norm_backward(
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd);
+
+// GDR_ADD_RMS_NORM: kFused when unset or "fused", kComposite for "composite" (the add and
+// the norm as two ops); any other value is an error naming the variable. Read at every
+// call. The model takes the fused op only where GDR_RMS_NORM also says fused.
+enum class AddRmsNormImpl { kFused, kComposite };
+AddRmsNormImpl add_rms_norm_impl();
 
 // GDR_RMS_NORM: kFused when unset or "fused", kComposite for "composite"; any other value
 // is an error naming the variable. Read at every call.

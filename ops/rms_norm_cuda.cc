@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "kernels/rms_norm.h"
@@ -22,6 +23,7 @@ namespace {
 
 using rms_norm_internal::check_backward_inputs;
 using rms_norm_internal::check_forward_inputs;
+using rms_norm_internal::check_same_as_x;
 
 // GDR_RMS_NORM_KERNEL=resident|streaming (read at every call, default resident): the
 // register-resident kernels or the streaming ones whose bits they reproduce (Note [RMSNorm
@@ -166,6 +168,72 @@ std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cuda(const at::Tensor&
   return {dx, dw};
 }
 
+// Note [RMSNorm with the residual add] (kernels/rms_norm_kernel.cuh): the sum is written
+// contiguous and normalised in the same pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_forward_cuda(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  constexpr const char* kOp = "add_zero_centered_rms_norm";
+  check_forward_inputs(kOp, x, "x", nullptr, weight);
+  check_same_as_x(kOp, residual, "residual", x, "x");
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  // Both operands through one row decoding: flatten both when either needs it.
+  const bool flatten = needs_flatten(x);
+  const at::Tensor xr = rows_of(x, flatten);
+  const at::Tensor rr = rows_of(residual, flatten);
+  const auto [w, weight_fp32] = weight_for(weight, x.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = rstd_like(x);
+  kernels::RmsNormForwardArgs args;
+  args.streaming_only = streaming_kernels();
+  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
+  args.dtype = norm_dtype(x.scalar_type());
+  args.weight_fp32 = weight_fp32;
+  args.shape = shape_of(xr);
+  args.x = operand_of(xr);
+  args.residual = operand_of(rr);
+  args.weight = w.data_ptr();
+  args.eps = static_cast<float>(eps);
+  args.y = y.data_ptr();
+  args.sum = sum.data_ptr();
+  args.rstd = rstd.data_ptr<float>();
+  check_launch(kernels::launch_rms_norm_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
+               kOp, "forward");
+  return {y, sum, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_zero_centered_backward_cuda(
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd) {
+  constexpr const char* kOp = "add_zero_centered_rms_norm_backward";
+  check_backward_inputs(kOp, grad_y, sum, "sum", nullptr, weight, rstd);
+  const bool has_grad_sum = grad_sum.has_value() && grad_sum->defined();
+  if (has_grad_sum) check_same_as_x(kOp, *grad_sum, "grad_sum", sum, "sum");
+  const c10::cuda::CUDAGuard device_guard(sum.device());
+  const at::ScalarType t = sum.scalar_type();
+  const bool flatten = needs_flatten(sum);
+  const at::Tensor sr = rows_of(sum, flatten);
+  const at::Tensor gr = rows_of(grad_y.to(t), flatten);
+  const at::Tensor dsr = has_grad_sum ? rows_of(*grad_sum, flatten) : at::Tensor();
+  const at::Tensor rstd_c = rstd.contiguous();
+  const auto [w, weight_fp32] = weight_for(weight, t);
+  at::Tensor dx = at::empty(sum.sizes(), sum.options());
+  kernels::RmsNormBackwardArgs args;
+  args.streaming_only = streaming_kernels();
+  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
+  args.dtype = norm_dtype(t);
+  args.weight_fp32 = weight_fp32;
+  args.shape = shape_of(sr);
+  args.grad_y = operand_of(gr);
+  args.x = operand_of(sr);
+  if (has_grad_sum) args.grad_sum = operand_of(dsr);
+  args.weight = w.data_ptr();
+  args.rstd = rstd_c.data_ptr<float>();
+  args.dx = dx.data_ptr();
+  at::Tensor dw = launch_backward(args, weight, sum, kOp);
+  return {dx, dw};
+}
+
 std::tuple<at::Tensor, at::Tensor> gated_forward_cuda(const at::Tensor& o, const at::Tensor& z,
                                                       const at::Tensor& weight, double eps,
                                                       at::ScalarType out_dtype) {
@@ -243,6 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_backward_cuda(const at::Ten
 TORCH_LIBRARY_IMPL(gdr, CUDA, m) {
   m.impl("zero_centered_rms_norm_forward", &zero_centered_forward_cuda);
   m.impl("zero_centered_rms_norm_backward", &zero_centered_backward_cuda);
+  m.impl("add_zero_centered_rms_norm_forward", &add_zero_centered_forward_cuda);
+  m.impl("add_zero_centered_rms_norm_backward", &add_zero_centered_backward_cuda);
   m.impl("gated_rms_norm_forward", &gated_forward_cuda);
   m.impl("gated_rms_norm_backward", &gated_backward_cuda);
 }

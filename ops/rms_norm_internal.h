@@ -12,5 +12,8 @@ void check_forward_inputs(const char* op, const at::Tensor& x, const char* x_nam
 void check_backward_inputs(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                            const char* x_name, const at::Tensor* z, const at::Tensor& weight,
                            const at::Tensor& rstd);
+// The residual add's operand: defined, with `x`'s shape, dtype and device.
+void check_same_as_x(const char* op, const at::Tensor& t, const char* name, const at::Tensor& x,
+                     const char* x_name);
 
 }  // namespace gdr::rms_norm_internal

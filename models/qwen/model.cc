@@ -8,14 +8,40 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "ops/cross_entropy.h"
 #include "ops/gdr_core.h"
+#include "ops/rms_norm.h"
 
 namespace gdr {
 
-DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index) {
+namespace {
+
+// Note [Residual add in the norm]: the pre-norm residual stream h + f(h) followed by the
+// next norm is one fused op (ops/rms_norm.h: add_zero_centered_rms_norm_fused) where the
+// norm takes the fused CUDA kernels: one kernel each way instead of the add, the norm and
+// autograd's add of the sum's two gradients, with the same bits (the GPU tests compare
+// the model's logits and gradients with GDR_ADD_RMS_NORM=composite bit for bit).
+// Returns (norm(x + residual), x + residual).
+std::pair<at::Tensor, at::Tensor> add_then_norm(ZeroCenteredRMSNormImpl& norm, const at::Tensor& x,
+                                                const at::Tensor& residual, double eps) {
+  if (add_rms_norm_impl() == AddRmsNormImpl::kFused && rms_norm_impl() == RmsNormImpl::kFused &&
+      rms_norm_fused_supports(x) && norm.weight.scalar_type() != at::kDouble &&
+      residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes()) {
+    auto [normed, sum] = add_zero_centered_rms_norm_fused(x, residual, norm.weight, eps);
+    return {normed, sum};
+  }
+  at::Tensor sum = x + residual;
+  return {norm.forward(sum), sum};
+}
+
+}  // namespace
+
+DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index)
+    : rms_norm_eps_(c.rms_norm_eps) {
   input_layernorm =
       register_module("input_layernorm", ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps));
   if (c.is_full_attention(layer_index)) {
@@ -29,12 +55,25 @@ DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index) {
 }
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
-  const at::Tensor normed = input_layernorm(hidden);
-  at::Tensor h = hidden + (linear_attn ? linear_attn(normed) : self_attn(normed));
-  return h + mlp(post_attention_layernorm(h));
+  auto [h, mlp_out] = forward_pending(hidden, at::Tensor());
+  return h + mlp_out;
 }
 
-QwenModelImpl::QwenModelImpl(const QwenConfig& c) {
+std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(const at::Tensor& hidden,
+                                                                    const at::Tensor& pending) {
+  at::Tensor normed, h;
+  if (pending.defined()) {
+    std::tie(normed, h) = add_then_norm(*input_layernorm, hidden, pending, rms_norm_eps_);
+  } else {
+    normed = input_layernorm(hidden);
+    h = hidden;
+  }
+  const at::Tensor mixed = linear_attn ? linear_attn(normed) : self_attn(normed);
+  auto [normed2, h2] = add_then_norm(*post_attention_layernorm, h, mixed, rms_norm_eps_);
+  return {h2, mlp(normed2)};
+}
+
+QwenModelImpl::QwenModelImpl(const QwenConfig& c) : rms_norm_eps_(c.rms_norm_eps) {
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, i));
@@ -46,8 +85,14 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
               "QwenModel: expected input_ids of shape [B, T] and dtype Long but got shape ",
               input_ids.sizes(), " and dtype ", input_ids.scalar_type());
   at::Tensor h = embed_tokens(input_ids);
-  for (const auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h);
-  return norm(h);
+  // Each layer hands its MLP output over un-added; the next norm adds it (Note [Residual
+  // add in the norm]).
+  at::Tensor pending;
+  for (const auto& layer : *layers) {
+    std::tie(h, pending) = layer->as<DecoderLayer>()->forward_pending(h, pending);
+  }
+  if (!pending.defined()) return norm(h);
+  return add_then_norm(*norm, h, pending, rms_norm_eps_).first;
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
@@ -32,11 +33,21 @@ class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const QwenConfig& config, int64_t layer_index);
   at::Tensor forward(const at::Tensor& hidden);
+  // The same layer with the residual stream's last add left to the caller: `pending` (may
+  // be undefined) is the previous layer's un-added MLP output, added to `hidden` by this
+  // layer's input norm; returns (h, mlp_out) with the layer's output h + mlp_out. The model
+  // loop uses it so that every residual add happens inside a norm (Note [Residual add in
+  // the norm] in model.cc).
+  std::pair<at::Tensor, at::Tensor> forward_pending(const at::Tensor& hidden,
+                                                    const at::Tensor& pending);
 
   ZeroCenteredRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   GatedDeltaNet linear_attn{nullptr};
   GatedAttention self_attn{nullptr};
   Mlp mlp{nullptr};
+
+ private:
+  double rms_norm_eps_;
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -49,6 +60,9 @@ class QwenModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   ZeroCenteredRMSNorm norm{nullptr};
+
+ private:
+  double rms_norm_eps_;
 };
 TORCH_MODULE(QwenModel);
 

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,37 @@ TEST(QwenGpu, TinyConfigInDeterministicModeRerunsBitIdentically) {
   ASSERT_EQ(first.grads.size(), second.grads.size());
   for (size_t i = 0; i < first.grads.size(); ++i) {
     EXPECT_TRUE(at::equal(first.grads[i].view(at::kShort), second.grads[i].view(at::kShort)))
+        << "grad " << i;
+  }
+}
+
+// Note [Residual add in the norm]: the fused add + norm gives the bits of the add followed
+// by the fused norm, so the whole model's loss and every gradient are the same bits with
+// GDR_ADD_RMS_NORM=composite (deterministic mode: every other kernel replays bit for bit).
+TEST(QwenGpu, ResidualAddInTheNormGivesTheComposedBits) {
+  auto config = load_qwen_config("configs/tiny.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  config->deterministic_mode = true;
+  config->pre_gdr_fusion = PreGdrFusion::kGate;
+  ASSERT_TRUE(apply_deterministic_mode(*config).ok());
+  auto run = [&](const char* add_rms_norm) {
+    setenv("GDR_ADD_RMS_NORM", add_rms_norm, 1);
+    QwenForCausalLM model(*config);
+    init_qwen_weights(*model, 91);
+    model->to(at::kCUDA, at::kBFloat16);
+    at::manual_seed(4);
+    const at::Tensor ids = at::randint(0, config->vocab_size, {2, 256},
+                                       at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+    Result r = forward_backward(model, ids);
+    unsetenv("GDR_ADD_RMS_NORM");
+    return r;
+  };
+  const Result composed = run("composite");
+  const Result fused = run("fused");
+  EXPECT_EQ(composed.loss, fused.loss);
+  ASSERT_EQ(composed.grads.size(), fused.grads.size());
+  for (size_t i = 0; i < composed.grads.size(); ++i) {
+    EXPECT_TRUE(at::equal(composed.grads[i].view(at::kShort), fused.grads[i].view(at::kShort)))
         << "grad " << i;
   }
 }

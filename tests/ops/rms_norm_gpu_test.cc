@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/rms_norm.h"
@@ -317,6 +319,75 @@ TEST(RmsNormGpuVariants, ResidentKernelsMatchTheStreamingKernelsBitForBit) {
     }
     EXPECT_TRUE(bitwise_equal(fast.partials, ref.partials)) << context << " partials";
     EXPECT_TRUE(bitwise_equal(fast.dw, ref.dw)) << context << " dw";
+  }
+}
+
+// Note [RMSNorm with the residual add]: the fused add + norm against the add followed by
+// the fused norm (autograd adding the sum's two gradients), bit for bit: outputs, the sum,
+// and the gradients of x, residual and weight, with and without a gradient on the sum,
+// for the register-resident kernels (16-byte rows: model shape, 4-chunk and partial-chunk
+// rows), the scalar kernels (rows not a multiple of the vector), a strided residual, FP32
+// weights, and the streaming kernels.
+TEST(AddRmsNormGpu, FusedGivesTheBitsOfTheAddThenTheFusedNorm) {
+  struct AddCase {
+    std::vector<int64_t> shape;
+    at::ScalarType act, weight;
+    bool transposed_residual, streaming;
+  };
+  const AddCase cases[] = {
+      {{1, 2048, 1024}, at::kBFloat16, at::kBFloat16, false, false},
+      {{1, 2048, 1024}, at::kBFloat16, at::kBFloat16, false, true},
+      {{4, 100, 1024}, at::kBFloat16, at::kFloat, true, false},
+      {{777, 1000}, at::kHalf, at::kHalf, false, false},
+      {{300, 512}, at::kFloat, at::kFloat, false, false},
+      {{33, 100}, at::kBFloat16, at::kBFloat16, false, false},
+      {{5, 96}, at::kFloat, at::kFloat, true, true},
+  };
+  for (const AddCase& c : cases) {
+    const std::string context =
+        c10::str(at::IntArrayRef(c.shape), " ", c10::toString(c.act), "/", c10::toString(c.weight),
+                 c.transposed_residual ? " strided residual" : "", c.streaming ? " streaming" : "");
+    if (c.streaming) setenv("GDR_RMS_NORM_KERNEL", "streaming", 1);
+    const Inputs in =
+        make_inputs(c.shape, c.act, c.weight, false, c.shape[0] * 13 + c.shape.back());
+    at::Tensor residual = at::randn(c.shape, in.x.options());
+    if (c.transposed_residual) {
+      // The same values read through swapped leading strides.
+      std::vector<int64_t> swapped(c.shape);
+      std::swap(swapped[0], swapped[1]);
+      residual = residual.reshape(swapped).transpose(0, 1);
+      ASSERT_FALSE(residual.is_contiguous()) << context;
+    }
+    const at::Tensor grad_sum = at::randn(c.shape, in.x.options());
+    for (const bool with_grad_sum : {true, false}) {
+      auto run_both = [&](bool fused) {
+        const at::Tensor x = in.x.detach().requires_grad_(true);
+        const at::Tensor r = residual.detach().requires_grad_(true);
+        const at::Tensor w = in.w.detach().requires_grad_(true);
+        at::Tensor y, sum;
+        if (fused) {
+          std::tie(y, sum) = add_zero_centered_rms_norm_fused(x, r, w, 1e-6);
+        } else {
+          sum = x + r;
+          y = zero_centered_rms_norm_fused(sum, w, 1e-6);
+        }
+        std::vector<at::Tensor> outputs{y}, grads{in.g};
+        if (with_grad_sum) {
+          outputs.push_back(sum);
+          grads.push_back(grad_sum);
+        }
+        auto g = torch::autograd::grad(outputs, {x, r, w}, grads);
+        return std::vector<at::Tensor>{y.detach(), sum.detach(), g[0], g[1], g[2]};
+      };
+      const auto fused = run_both(true);
+      const auto composed = run_both(false);
+      const char* names[] = {"y", "sum", "dx", "dresidual", "dw"};
+      for (int i = 0; i < 5; ++i) {
+        EXPECT_TRUE(bitwise_equal(fused[i], composed[i]))
+            << context << (with_grad_sum ? " with" : " without") << " grad_sum: " << names[i];
+      }
+    }
+    unsetenv("GDR_RMS_NORM_KERNEL");
   }
 }
 

@@ -332,6 +332,164 @@ void run_case(const Case& c) {
   }
 }
 
+// Note [RMSNorm with the residual add]: the streaming kernels with a residual operand
+// against the plain kernels run on ATen's sum, and ATen's add of their dx and the stream
+// gradient (the composite's roundings); then every register-resident variant against the
+// streaming residual kernels, bit for bit.
+template <typename T, typename TW, int VEC, int CHUNKS>
+void check_residual_forward(const Case& c, RmsNormForwardArgs fa, const at::Tensor& want_y,
+                            const at::Tensor& want_sum, const at::Tensor& want_rstd) {
+  if (c.cols > CHUNKS * 32 * VEC) return;
+  at::Tensor y = at::full_like(want_y, NAN), sum = at::full_like(want_sum, NAN);
+  at::Tensor rstd = at::full_like(want_rstd, NAN);
+  fa.y = y.data_ptr();
+  fa.sum = sum.data_ptr();
+  fa.rstd = rstd.data_ptr<float>();
+  run_grid(
+      (c.rows + kRmsNormForwardWarps - 1) / kRmsNormForwardWarps, kRmsNormForwardWarps * 32,
+      [&](int64_t) { rms_norm_detail::forward_row_resident<T, TW, VEC, false, CHUNKS, true>(fa); });
+  const std::string name = "residual forward chunks " + std::to_string(CHUNKS) + ": ";
+  EXPECT_TRUE(same_bits(y, want_y, name + "y"));
+  EXPECT_TRUE(same_bits(sum, want_sum, name + "sum"));
+  EXPECT_TRUE(same_bits(rstd, want_rstd, name + "rstd"));
+}
+
+template <typename T, typename TW, int VEC, int CHUNKS, int STAGES, bool kSharedAcc>
+void check_residual_backward(const Case& c, RmsNormBackwardArgs ba,
+                             const RmsNormBackwardLaunch& launch, const at::Tensor& want_dx,
+                             const at::Tensor& want_partials) {
+  if (c.cols > CHUNKS * 32 * VEC) return;
+  at::Tensor dx = at::full_like(want_dx, NAN), partials = at::full_like(want_partials, NAN);
+  ba.dx = dx.data_ptr();
+  ba.partials = partials.data_ptr<float>();
+  std::vector<float> shared(launch.warps * c.cols, NAN);
+  run_grid(launch.programs, launch.warps * 32, [&](int64_t) {
+    rms_norm_detail::backward_program_resident<T, TW, VEC, false, CHUNKS, STAGES, kSharedAcc, true>(
+        ba, launch.rows_per_program, shared.data());
+  });
+  const std::string name = "residual backward chunks " + std::to_string(CHUNKS) + " stages " +
+                           std::to_string(STAGES) + (kSharedAcc ? " shared acc" : "") + ": ";
+  EXPECT_TRUE(same_bits(dx, want_dx, name + "dx"));
+  EXPECT_TRUE(same_bits(partials, want_partials, name + "partials"));
+}
+
+template <typename T, typename TW, int VEC>
+void run_residual_case(const Case& c) {
+  const at::ScalarType dt = c.bf16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType wt = c.weight_fp32 ? at::kFloat : dt;
+  at::manual_seed(c.rows * 17 + c.cols);
+  const at::Tensor x = make_rows(c, dt, 2.0), r = make_rows(c, dt, 3.0);
+  const at::Tensor g = make_rows(c, dt, 1.0), ds = make_rows(c, dt, 1.0);
+  const at::Tensor w = (at::randn({c.cols}) * 0.5).to(wt);
+  const at::Tensor sum_ref = (x + r).contiguous();  // ATen's add: the composite's sum
+  const int64_t fwd_blocks = (c.rows + kRmsNormForwardWarps - 1) / kRmsNormForwardWarps;
+  const auto opts = at::TensorOptions().dtype(dt);
+
+  // Plain streaming kernels on ATen's sum: the composite.
+  at::Tensor y_ref = at::full({c.rows, c.cols}, NAN, opts);
+  at::Tensor rstd_ref = at::full({std::max<int64_t>(c.rows, 1)}, NAN);
+  RmsNormForwardArgs plain;
+  fill_layout(sum_ref, plain.shape, plain.x);
+  plain.weight = w.data_ptr();
+  plain.eps = 1e-6f;
+  plain.y = y_ref.data_ptr();
+  plain.rstd = rstd_ref.data_ptr<float>();
+  run_grid(fwd_blocks, kRmsNormForwardWarps * 32,
+           [&](int64_t) { rms_norm_detail::forward_row<T, TW, VEC, false>(plain); });
+  const RmsNormBackwardLaunch launch = derive_rms_norm_backward_launch(c.rows, c.cols);
+  at::Tensor dx_plain = at::full({c.rows, c.cols}, NAN, opts);
+  at::Tensor partials_ref = at::full({std::max<int64_t>(launch.programs * c.cols, 1)}, NAN);
+  RmsNormBackwardArgs plain_b;
+  plain_b.shape = plain.shape;
+  RmsNormShape unused;
+  fill_layout(g, unused, plain_b.grad_y);
+  plain_b.x = plain.x;
+  plain_b.weight = w.data_ptr();
+  plain_b.rstd = rstd_ref.data_ptr<float>();
+  plain_b.dx = dx_plain.data_ptr();
+  plain_b.partials = partials_ref.data_ptr<float>();
+  std::vector<float> shared(launch.warps * c.cols);
+  run_grid(launch.programs, launch.warps * 32, [&](int64_t) {
+    rms_norm_detail::backward_program<T, TW, VEC, false>(plain_b, launch.rows_per_program,
+                                                         shared.data());
+  });
+  const at::Tensor dx_ref = dx_plain + ds.reshape({c.rows, c.cols});  // autograd's add
+
+  // Streaming kernels with the residual operand.
+  at::Tensor y = at::full({c.rows, c.cols}, NAN, opts), sum = at::full({c.rows, c.cols}, NAN, opts);
+  at::Tensor rstd = at::full({std::max<int64_t>(c.rows, 1)}, NAN);
+  RmsNormForwardArgs fa;
+  fill_layout(x, fa.shape, fa.x);
+  fill_layout(r, unused, fa.residual);
+  fa.weight = w.data_ptr();
+  fa.eps = 1e-6f;
+  fa.y = y.data_ptr();
+  fa.sum = sum.data_ptr();
+  fa.rstd = rstd.data_ptr<float>();
+  run_grid(fwd_blocks, kRmsNormForwardWarps * 32,
+           [&](int64_t) { rms_norm_detail::forward_row<T, TW, VEC, false, true>(fa); });
+  EXPECT_TRUE(same_bits(sum, sum_ref.reshape({c.rows, c.cols}), "streaming residual sum"));
+  EXPECT_TRUE(same_bits(y, y_ref, "streaming residual y"));
+  EXPECT_TRUE(same_bits(rstd, rstd_ref, "streaming residual rstd"));
+
+  at::Tensor dx = at::full({c.rows, c.cols}, NAN, opts);
+  at::Tensor partials = at::full({std::max<int64_t>(launch.programs * c.cols, 1)}, NAN);
+  RmsNormBackwardArgs ba;
+  ba.shape = fa.shape;
+  fill_layout(g, unused, ba.grad_y);
+  fill_layout(sum.view({x.size(0), x.size(1), c.cols}), unused, ba.x);
+  fill_layout(ds, unused, ba.grad_sum);
+  ba.weight = w.data_ptr();
+  ba.rstd = rstd.data_ptr<float>();
+  ba.dx = dx.data_ptr();
+  ba.partials = partials.data_ptr<float>();
+  run_grid(launch.programs, launch.warps * 32, [&](int64_t) {
+    rms_norm_detail::backward_program<T, TW, VEC, false, true>(ba, launch.rows_per_program,
+                                                               shared.data());
+  });
+  EXPECT_TRUE(same_bits(dx, dx_ref, "streaming residual dx"));
+  EXPECT_TRUE(same_bits(partials, partials_ref, "streaming residual partials"));
+
+  check_residual_forward<T, TW, VEC, 1>(c, fa, y, sum, rstd);
+  check_residual_forward<T, TW, VEC, 2>(c, fa, y, sum, rstd);
+  check_residual_forward<T, TW, VEC, 4>(c, fa, y, sum, rstd);
+  check_residual_backward<T, TW, VEC, 1, 3, false>(c, ba, launch, dx, partials);
+  check_residual_backward<T, TW, VEC, 2, 2, true>(c, ba, launch, dx, partials);
+  check_residual_backward<T, TW, VEC, 2, 2, false>(c, ba, launch, dx, partials);
+  check_residual_backward<T, TW, VEC, 4, 1, true>(c, ba, launch, dx, partials);
+  check_residual_backward<T, TW, VEC, 4, 1, false>(c, ba, launch, dx, partials);
+}
+
+class RmsNormResidualEmulation : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RmsNormResidualEmulation, ResidualKernelsGiveTheComposedBits) {
+  const Case c = GetParam();
+  if (c.bf16) {
+    const bool vec = c.cols % 8 == 0 && !c.strided;
+    if (c.weight_fp32) {
+      vec ? run_residual_case<c10::BFloat16, float, 8>(c)
+          : run_residual_case<c10::BFloat16, float, 1>(c);
+    } else {
+      vec ? run_residual_case<c10::BFloat16, c10::BFloat16, 8>(c)
+          : run_residual_case<c10::BFloat16, c10::BFloat16, 1>(c);
+    }
+  } else {
+    c.cols % 4 == 0 && !c.strided ? run_residual_case<float, float, 4>(c)
+                                  : run_residual_case<float, float, 1>(c);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormResidualEmulation,
+                         ::testing::Values(Case{false, true, false, 6, 1024, false, 0},
+                                           Case{false, true, true, 10, 1000, false, 0},
+                                           Case{false, false, false, 13, 256, false, 0},
+                                           Case{false, true, false, 9, 100, false, 0},
+                                           Case{false, false, false, 8, 512, true, 0},
+                                           Case{false, true, false, 30, 512, false, 0}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return name_of(info.param);
+                         });
+
 class RmsNormKernelEmulation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RmsNormKernelEmulation, MatchesTheSpecAndTheDocumentedSummationOrder) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/rms_norm.h"
@@ -264,6 +265,91 @@ TEST(RmsNormErrors, MessagesNameTheArgumentWithExpectedAndActual) {
       error_of([&] { zero_centered_rms_norm_backward(y, x, w, rstd.to(at::kHalf)); }),
       "zero_centered_rms_norm_backward: expected rstd of dtype Float (from the forward), but got "
       "Half");
+}
+
+// ---------------------------------------------------------------------------
+// The residual add (Note [RMSNorm with the residual add]): the CPU op gives the bits of
+// ATen's add followed by the norm, the gradient of x and of residual being the norm's dx
+// plus the sum's own gradient (autograd's accumulation), in FP32 and BF16.
+
+TEST(AddRmsNormCpu, FusedOpEqualsTheAddThenTheNormBitForBit) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(8);
+    const at::Tensor x0 = at::randn({3, 5, 64}).to(dtype);
+    const at::Tensor r0 = (at::randn({3, 5, 64}) * 3).to(dtype);
+    const at::Tensor w0 = at::randn({64}).to(dtype);
+    const at::Tensor gy = at::randn({3, 5, 64}).to(dtype);
+    const at::Tensor gs = at::randn({3, 5, 64}).to(dtype);
+    for (const bool with_grad_sum : {true, false}) {
+      auto run = [&](bool fused) {
+        const at::Tensor x = x0.clone().requires_grad_(true);
+        const at::Tensor r = r0.clone().requires_grad_(true);
+        const at::Tensor w = w0.clone().requires_grad_(true);
+        at::Tensor y, sum;
+        if (fused) {
+          std::tie(y, sum) = add_zero_centered_rms_norm_fused(x, r, w, 1e-6);
+        } else {
+          sum = x + r;
+          y = zero_centered_rms_norm_fused(sum, w, 1e-6);
+        }
+        std::vector<at::Tensor> outputs{y}, grads{gy};
+        if (with_grad_sum) {
+          outputs.push_back(sum);
+          grads.push_back(gs);
+        }
+        auto g = torch::autograd::grad(outputs, {x, r, w}, grads);
+        return std::vector<at::Tensor>{y.detach(), sum.detach(), g[0], g[1], g[2]};
+      };
+      const auto fused = run(true), composed = run(false);
+      for (size_t i = 0; i < fused.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), dtype);
+        EXPECT_TRUE(at::equal(fused[i], composed[i]))
+            << c10::toString(dtype) << (with_grad_sum ? " with" : " without")
+            << " grad_sum, output " << i;
+      }
+    }
+  }
+}
+
+TEST(AddRmsNormCpu, OnlyTheSumUsedPassesItsGradientThrough) {
+  const at::Tensor x = at::randn({4, 32}).requires_grad_(true);
+  const at::Tensor r = at::randn({4, 32}).requires_grad_(true);
+  const at::Tensor w = at::randn({32}).requires_grad_(true);
+  auto [y, sum] = add_zero_centered_rms_norm_fused(x, r, w, 1e-6);
+  const at::Tensor gs = at::randn({4, 32});
+  auto g = torch::autograd::grad({sum}, {x, r}, {gs});
+  EXPECT_TRUE(at::equal(g[0], gs));
+  EXPECT_TRUE(at::equal(g[1], gs));
+}
+
+TEST(AddRmsNormSwitch, DefaultsToFusedAndNamesTheVariableOnABadValue) {
+  unsetenv("GDR_ADD_RMS_NORM");
+  EXPECT_EQ(add_rms_norm_impl(), AddRmsNormImpl::kFused);
+  setenv("GDR_ADD_RMS_NORM", "composite", 1);
+  EXPECT_EQ(add_rms_norm_impl(), AddRmsNormImpl::kComposite);
+  setenv("GDR_ADD_RMS_NORM", "yes", 1);
+  EXPECT_EQ(error_of([] { add_rms_norm_impl(); }),
+            "GDR_ADD_RMS_NORM: expected fused or composite, but got 'yes'");
+  unsetenv("GDR_ADD_RMS_NORM");
+}
+
+TEST(AddRmsNormErrors, MessagesNameTheArgumentWithExpectedAndActual) {
+  const at::Tensor x = at::randn({2, 3, 16});
+  const at::Tensor w = at::randn({16});
+  EXPECT_EQ(error_of([&] {
+              add_zero_centered_rms_norm_forward(x, at::randn({2, 16}), w, 1e-6);
+            }),
+            "add_zero_centered_rms_norm: expected residual of shape [2, 3, 16] (same as x), but "
+            "got [2, 16]");
+  EXPECT_EQ(error_of([&] { add_zero_centered_rms_norm_forward(x, x.to(at::kDouble), w, 1e-6); }),
+            "add_zero_centered_rms_norm: expected residual of dtype Float (same as x), but got "
+            "Double");
+  auto [y, sum, rstd] = add_zero_centered_rms_norm_forward(x, x, w, 1e-6);
+  EXPECT_EQ(error_of([&] {
+              add_zero_centered_rms_norm_backward(y, at::randn({3, 16}), sum, w, rstd);
+            }),
+            "add_zero_centered_rms_norm_backward: expected grad_sum of shape [2, 3, 16] (same as "
+            "sum), but got [3, 16]");
 }
 
 // ---------------------------------------------------------------------------
