@@ -134,12 +134,40 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& pack) {
 }
 
 // dx rounded to the storage type, plus the stream gradient (the store rounds the total).
+// __fadd_rn: for FP32 storage the rounding is the identity, and nvcc would otherwise
+// contract rstd * (...) + ds into one FMA, which rounds once where autograd's separate add
+// rounds twice.
 template <typename T, int VEC>
 __device__ __forceinline__ void add_stream_gradient(float (&dx)[VEC], const float (&ds)[VEC]) {
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    dx[k] = StorageElement<T>::to_float(StorageElement<T>::from_float(dx[k])) + ds[k];
+    const float rounded = StorageElement<T>::to_float(StorageElement<T>::from_float(dx[k]));
+#if defined(__CUDA_ARCH__)
+    dx[k] = __fadd_rn(rounded, ds[k]);
+#else
+    dx[k] = rounded + ds[k];
+#endif
   }
+}
+
+// Makes the compiler forget what a pack holds, so that the backward's second pass unpacks
+// the row again instead of keeping the first pass's unpacked floats live (twice the
+// registers of the packs): with the residual add's third operand those floats made the
+// 16-bit 2- and 4-chunk rows spill (ptxas). An empty asm, no instruction.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> opaque_pack(const Pack<T, VEC>& pack) {
+#if defined(__CUDA_ARCH__)
+  static_assert(sizeof(Pack<T, VEC>) % 4 == 0, "packs are whole 32-bit words");
+  Pack<T, VEC> out = pack;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Pack<T, VEC>) / 4); ++i) {
+    asm volatile("" : "+r"(words[i]));
+  }
+  return out;
+#else
+  return pack;
+#endif
 }
 
 // ----------------------------------------------------------------------------
@@ -518,6 +546,14 @@ __device__ __forceinline__ void process_backward_row(
     }
   }
   const float mean_dot = warp_sum(dot) * (1.0f / static_cast<float>(cols));
+  Pack<T, VEC> x2[kResidual ? CHUNKS : 1], dy2[kResidual ? CHUNKS : 1];
+  if constexpr (kResidual) {
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      x2[j] = opaque_pack<T, VEC>(r.x[j]);
+      dy2[j] = opaque_pack<T, VEC>(r.dy[j]);
+    }
+  }
 
   T* dx = static_cast<T*>(a.dx) + row * cols;
   T* dz = kGated ? static_cast<T*>(a.dz) + row * cols : nullptr;
@@ -526,8 +562,8 @@ __device__ __forceinline__ void process_backward_row(
     const int64_t c = static_cast<int64_t>(lane) * VEC + static_cast<int64_t>(j) * 32 * VEC;
     if (c < cols) {
       float xv[VEC], gv[VEC], wv[VEC], dxv[VEC], dzv[VEC];
-      unpack<T, VEC>(r.x[j], xv);
-      unpack<T, VEC>(r.dy[j], gv);
+      unpack<T, VEC>(kResidual ? x2[j] : r.x[j], xv);
+      unpack<T, VEC>(kResidual ? dy2[j] : r.dy[j], gv);
       unpack<TW, VEC>(kResidual ? load_weight_pack<TW, VEC>(a.weight, c) : wp[j], wv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
