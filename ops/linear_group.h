@@ -10,10 +10,12 @@
 //  - Forward: y_i carries the bits of at::linear(x, W_i) as the composite computes it
 //    (the same ATen call, on the same operand; Note [Linear group bits]).
 //  - dW_i: the bits of ATen's own linear backward (the mm that MmBackward0 runs).
-//  - dX: dY_0 @ W_0, then dX += dY_i @ W_i in index order over the defined dY_i, each
-//    addition inside the i-th GEMM. Not the composite's bits, but one rounding per GEMM
-//    and a fixed order: deterministic, at least as accurate. See Note [Linear group
-//    input gradient] in linear_group.cc.
+//  - dX: the sum of dY_i @ W_i over the defined dY_i, each addition inside a GEMM
+//    (dX = first product, then addmm_ with beta = 1), in order of increasing out_i (ties
+//    in index order): one rounding per GEMM instead of one per GEMM and one per add. Not
+//    the composite's bits; deterministic (the order is a function of the shapes), and no
+//    less accurate in the model's groups. See Note [Linear group input gradient] in
+//    linear_group.cc.
 // Outputs whose gradient is undefined (unused) are skipped; weights that do not require a
 // gradient get none.
 //

@@ -85,9 +85,10 @@ TEST(LinearGroupGpu, ForwardGivesTheBitsOfAtLinear) {
 // dW: the composite's bits. dX: the BF16 inputs' exact sum rounded a few times; the
 // Frobenius relative error against the FP64 reference is bounded by 1e-2 (BF16's unit
 // roundoff is 2^-9 ~ 2e-3, and each rounding adds at most that much per element), and it
-// is at most 1.25x the composite's (fused: one rounding per GEMM; composite: one per GEMM
-// and one per add, so it is expected to be smaller; 1.25 leaves room for chance on the
-// small shapes).
+// is at most 1.1x the composite's (fused: one rounding per GEMM, narrow products first;
+// composite: one per GEMM and one per add; on the CPU's BF16 GEMM the fused error measured
+// 0.7-0.8x the composite's for these groups, Note [Linear group input gradient]; 1.1
+// leaves room for chance on the small shapes).
 TEST(LinearGroupGpu, WeightGradsAreTheCompositeBitsAndInputGradIsClose) {
   for (const Case& c : cases()) {
     const LinearGroupResult fused = run_linear_group(true, c.x, c.weights, c.dys);
@@ -104,7 +105,7 @@ TEST(LinearGroupGpu, WeightGradsAreTheCompositeBitsAndInputGradIsClose) {
     const double fused_error = relative_error(fused.grad_x, ref);
     const double composite_error = relative_error(composite.grad_x, ref);
     EXPECT_LE(fused_error, 1e-2) << c.name;
-    EXPECT_LE(fused_error, 1.25 * composite_error) << c.name << ": composite " << composite_error;
+    EXPECT_LE(fused_error, 1.1 * composite_error) << c.name << ": composite " << composite_error;
     const double max_ref = ref.abs().max().item<double>();
     EXPECT_LE((fused.grad_x.to(at::kDouble) - ref).abs().max().item<double>(), 1e-2 * max_ref)
         << c.name;
