@@ -16,6 +16,7 @@
 #include "ops/causal_conv1d.h"
 #include "ops/gated_activation.h"
 #include "ops/gdr_core.h"
+#include "ops/linear_group.h"
 #include "ops/pre_gdr_full_fusion.h"
 #include "ops/pre_gdr_gate.h"
 #include "ops/rms_norm.h"
@@ -124,18 +125,25 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t key_dim = num_k_heads_ * k_head_dim_, value_dim = num_v_heads_ * v_head_dim_;
 
+  TORCH_CHECK(fusion_ != PreGdrFusion::kFull || x.is_cuda(),
+              "GatedDeltaNet: pre_gdr_fusion: full needs CUDA (the fully fused pre-GDR op has "
+              "no CPU implementation) but x is on ",
+              x.device(), "; use pre_gdr_fusion: gate or none on CPU");
+  // The four projections of x as one group, so the backward sums their input gradients
+  // inside the GEMMs (ops/linear_group.h; GDR_LINEAR_GROUP=composite: four Linear calls).
+  const std::vector<at::Tensor> projections =
+      project(x, {in_proj_qkv->weight, in_proj_z->weight, in_proj_b->weight, in_proj_a->weight});
+  const at::Tensor &mixed_qkv = projections[0], &z_flat = projections[1];
+  const at::Tensor &b = projections[2], &a = projections[3];  // [B, T, Hv]
+
   at::Tensor q, k, v, g, beta;
   // q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
   GdrQkNorm qk_norm = GdrQkNorm::kL2;
   if (fusion_ == PreGdrFusion::kFull) {
     // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_full_fusion.h).
-    TORCH_CHECK(x.is_cuda(),
-                "GatedDeltaNet: pre_gdr_fusion: full needs CUDA (the fully fused pre-GDR op has "
-                "no CPU implementation) but x is on ",
-                x.device(), "; use pre_gdr_fusion: gate or none on CPU");
-    const GdrInputs in = pre_gdr_full_fusion(
-        in_proj_qkv(x), conv1d->weight, in_proj_a(x), in_proj_b(x), A_log, dt_bias,
-        GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
+    const GdrInputs in =
+        pre_gdr_full_fusion(mixed_qkv, conv1d->weight, a, b, A_log, dt_bias,
+                            GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
     q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
     qk_norm = GdrQkNorm::kNone;  // normalised and repeated by the fused op
   } else {
@@ -145,7 +153,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // Causal depthwise conv over time + SiLU: [B, T, conv_dim], contiguous from the fused
     // op (so the narrow + reshape of q and k below are views), a transposed view from the
     // composition (they copy).
-    const at::Tensor qkv = gdn_causal_conv1d_silu(in_proj_qkv(x), conv1d->weight);
+    const at::Tensor qkv = gdn_causal_conv1d_silu(mixed_qkv, conv1d->weight);
 
     // The raw key heads in x's dtype: the core normalises them (in FP32, or FP64 for FP64
     // inputs) and maps each of the Hv/Hk consecutive value heads of a key head to it, on
@@ -168,7 +176,6 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
       v = v.to(at::kFloat);
     }
 
-    const at::Tensor a = in_proj_a(x), b = in_proj_b(x);  // [B, T, Hv]
     // g and beta come back FP32 from either form of the gate.
     std::tie(g, beta) = fusion_ == PreGdrFusion::kGate
                             ? pre_gdr_gate(a, b, A_log, dt_bias)
@@ -194,7 +201,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   // activations' dtype as the other fusion levels' core rounds it (Note [GDR core value
   // dtype]), the same values into the norm whatever the fusion level.
   if (fusion_ == PreGdrFusion::kFull && !core_v_fp32()) o = o.to(x.scalar_type());
-  const at::Tensor z = in_proj_z(x).reshape({B, T, num_v_heads_, v_head_dim_});
+  const at::Tensor z = z_flat.reshape({B, T, num_v_heads_, v_head_dim_});
   o = norm(o, z);  // FP32 math, back to z's dtype
   return out_proj(o.reshape({B, T, value_dim}));
 }
@@ -217,7 +224,10 @@ GatedAttentionImpl::GatedAttentionImpl(const QwenConfig& c)
 at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   check_activation("GatedAttention", x, q_proj->options.in_features());
   const int64_t B = x.size(0), T = x.size(1);
-  const at::Tensor query_and_gate = q_proj(x).reshape({B, T, num_heads_, 2 * head_dim_});
+  // q, k, v as one group: see GatedDeltaNetImpl::forward.
+  const std::vector<at::Tensor> projections =
+      project(x, {q_proj->weight, k_proj->weight, v_proj->weight});
+  const at::Tensor query_and_gate = projections[0].reshape({B, T, num_heads_, 2 * head_dim_});
   // Note [Split, not narrow]: the pieces of one projection's output come from one split, not
   // one narrow each. A narrow's backward zero-fills a gradient of the whole output and copies
   // its slice in, and autograd then adds those full-size gradients up (for the GDN's q, k, v:
@@ -227,8 +237,8 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   const std::vector<at::Tensor> query_and_gate_parts = at::split(query_and_gate, head_dim_, -1);
   at::Tensor q = query_and_gate_parts[0];
   const at::Tensor& gate = query_and_gate_parts[1];  // [B, T, H, hd], read in place
-  at::Tensor k = k_proj(x).reshape({B, T, num_kv_heads_, head_dim_});
-  const at::Tensor v = v_proj(x).reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
+  at::Tensor k = projections[1].reshape({B, T, num_kv_heads_, head_dim_});
+  const at::Tensor v = projections[2].reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
 
   q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
   k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
@@ -246,7 +256,9 @@ MlpImpl::MlpImpl(const QwenConfig& c) {
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return down_proj(gated_activation(gate_proj(x), up_proj(x), GatedActivationKind::kSilu));
+  // gate and up as one group: see GatedDeltaNetImpl::forward.
+  const std::vector<at::Tensor> gate_up = project(x, {gate_proj->weight, up_proj->weight});
+  return down_proj(gated_activation(gate_up[0], gate_up[1], GatedActivationKind::kSilu));
 }
 
 }  // namespace gdr
