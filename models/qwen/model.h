@@ -22,6 +22,7 @@
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
+#include "ops/tied_embedding.h"
 
 namespace gdr {
 
@@ -49,6 +50,11 @@ class QwenModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   ZeroCenteredRMSNorm norm{nullptr};
+
+  // Set by QwenForCausalLM around one forward when the tied pair runs (Note [Tied embedding
+  // gradient] in ops/tied_embedding.cc): forward() then looks the ids up with
+  // tied_embedding_lookup on embed_tokens->weight. Null: embed_tokens(input_ids).
+  TiedEmbeddingStatePtr tied_embedding_state;
 };
 TORCH_MODULE(QwenModel);
 
