@@ -120,12 +120,11 @@ template <typename T>
 int launch_typed(const EmbeddingRowsArgs& args, cudaStream_t stream) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   // 16-byte vectors when every row starts 16-byte aligned, else elements.
-  const bool vectorised =
-      args.hidden % kVec == 0 && aligned16(args.rows) && aligned16(args.dw);
+  const bool vectorised = args.hidden % kVec == 0 && aligned16(args.rows) && aligned16(args.dw);
   const int64_t vectors = vectorised ? args.hidden / kVec : args.hidden;
   // A warp multiple (the ballots), at most kMaxThreads; wide rows take several tiles.
-  const int64_t threads =
-      std::min<int64_t>(kMaxThreads, std::max<int64_t>(kWarp, (vectors + kWarp - 1) / kWarp * kWarp));
+  const int64_t threads = std::min<int64_t>(
+      kMaxThreads, std::max<int64_t>(kWarp, (vectors + kWarp - 1) / kWarp * kWarp));
   const int64_t tiles = (vectors + threads - 1) / threads;
   if (tiles > 65535) return static_cast<int>(cudaErrorInvalidConfiguration);
   const dim3 grid(static_cast<unsigned>(args.tokens), static_cast<unsigned>(tiles));

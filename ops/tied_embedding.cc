@@ -61,9 +61,7 @@ class TiedEmbeddingState {
   std::optional<int> lookup_ran_in_task;             // graph task whose backward ran the lookup
 };
 
-TiedEmbeddingStatePtr make_tied_embedding_state() {
-  return std::make_shared<TiedEmbeddingState>();
-}
+TiedEmbeddingStatePtr make_tied_embedding_state() { return std::make_shared<TiedEmbeddingState>(); }
 
 namespace tied_embedding_internal {
 
@@ -78,8 +76,8 @@ void check_add_rows_inputs(const at::Tensor& grad_weight, const at::Tensor& ids,
   TORCH_CHECK(!grad_weight.is_cuda() || s != at::kDouble, op,
               ": grad_weight is Double on CUDA; expected Float, Half or BFloat16");
   TORCH_CHECK(grad_weight.dim() == 2 && grad_weight.is_contiguous(), op,
-              ": expected a contiguous 2-D grad_weight [V, H], but got shape ",
-              grad_weight.sizes(), " and strides ", grad_weight.strides());
+              ": expected a contiguous 2-D grad_weight [V, H], but got shape ", grad_weight.sizes(),
+              " and strides ", grad_weight.strides());
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": expected ids [N] of dtype Long, but got shape ", ids.sizes(), " and dtype ",
               ids.scalar_type());
@@ -87,9 +85,8 @@ void check_add_rows_inputs(const at::Tensor& grad_weight, const at::Tensor& ids,
               " (grad_weight's), but got ", rows.scalar_type());
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) == ids.size(0) &&
                   rows.size(1) == grad_weight.size(1) && rows.is_contiguous(),
-              op, ": expected contiguous rows of shape [", ids.size(0), ", ",
-              grad_weight.size(1), "], but got shape ", rows.sizes(), " and strides ",
-              rows.strides());
+              op, ": expected contiguous rows of shape [", ids.size(0), ", ", grad_weight.size(1),
+              "], but got shape ", rows.sizes(), " and strides ", rows.strides());
   TORCH_CHECK(ids.device() == grad_weight.device() && rows.device() == grad_weight.device(), op,
               ": expected ids and rows on grad_weight's device ", grad_weight.device(),
               ", but got ", ids.device(), " and ", rows.device());
@@ -109,8 +106,8 @@ namespace {
 template <typename T, typename Acc>
 void add_rows_typed(T* dw, const int64_t* ids, const T* rows, int64_t tokens, int64_t hidden,
                     int64_t vocab) {
-  std::vector<int64_t> heads;               // first token of each id, in token order
-  std::vector<int64_t> next(tokens, -1);    // next token with the same id
+  std::vector<int64_t> heads;                 // first token of each id, in token order
+  std::vector<int64_t> next(tokens, -1);      // next token with the same id
   std::unordered_map<int64_t, int64_t> last;  // id -> its latest token so far
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t id = ids[t];
@@ -135,7 +132,8 @@ void add_rows_typed(T* dw, const int64_t* ids, const T* rows, int64_t tokens, in
         for (int64_t c = 0; c < hidden; ++c) acc[c] += static_cast<Acc>(row[c]);
       }
       T* dst = dw + ids[head] * hidden;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] = static_cast<T>(static_cast<Acc>(dst[c]) + acc[c]);
+      for (int64_t c = 0; c < hidden; ++c)
+        dst[c] = static_cast<T>(static_cast<Acc>(dst[c]) + acc[c]);
     }
   });
 }
@@ -151,8 +149,8 @@ void add_rows_cpu(at::Tensor& grad_weight, const at::Tensor& ids, const at::Tens
                                    tokens, hidden, vocab);
       break;
     case at::kDouble:
-      add_rows_typed<double, double>(grad_weight.data_ptr<double>(), id,
-                                     rows.data_ptr<double>(), tokens, hidden, vocab);
+      add_rows_typed<double, double>(grad_weight.data_ptr<double>(), id, rows.data_ptr<double>(),
+                                     tokens, hidden, vocab);
       break;
     case at::kHalf:
       add_rows_typed<c10::Half, float>(grad_weight.data_ptr<c10::Half>(), id,
@@ -160,10 +158,10 @@ void add_rows_cpu(at::Tensor& grad_weight, const at::Tensor& ids, const at::Tens
       break;
     case at::kBFloat16:
       add_rows_typed<c10::BFloat16, float>(grad_weight.data_ptr<c10::BFloat16>(), id,
-                                           rows.data_ptr<c10::BFloat16>(), tokens, hidden,
-                                           vocab);
+                                           rows.data_ptr<c10::BFloat16>(), tokens, hidden, vocab);
       break;
-    default: TORCH_CHECK(false, "tied_embedding_add_rows_: unsupported dtype ", grad_weight.scalar_type());
+    default:
+      TORCH_CHECK(false, "tied_embedding_add_rows_: unsupported dtype ", grad_weight.scalar_type());
   }
 }
 
@@ -311,8 +309,7 @@ class TiedLmHead : public torch::autograd::Function<TiedLmHead> {
       // mm_mat1_backward (FunctionsManual.cpp): column-major mat1 gets a column-major grad.
       const bool column_major =
           hidden_2d.stride(0) == 1 && hidden_2d.stride(1) == hidden_2d.size(0);
-      const at::Tensor grad_mat1 =
-          column_major ? mat2.mm(grad_2d.t()).t() : grad_2d.mm(mat2.t());
+      const at::Tensor grad_mat1 = column_major ? mat2.mm(grad_2d.t()).t() : grad_2d.mm(mat2.t());
       grad_hidden = grad_mat1.reshape(hidden_sizes);  // the fold's (view) backward
     }
     if (ctx->needs_input_grad(1)) {

@@ -45,9 +45,9 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
               "QwenModel: expected input_ids of shape [B, T] and dtype Long but got shape ",
               input_ids.sizes(), " and dtype ", input_ids.scalar_type());
-  at::Tensor h = tied_embedding_state ? tied_embedding_lookup(input_ids, embed_tokens->weight,
-                                                               tied_embedding_state)
-                                      : embed_tokens(input_ids);
+  at::Tensor h = tied_embedding_state
+                     ? tied_embedding_lookup(input_ids, embed_tokens->weight, tied_embedding_state)
+                     : embed_tokens(input_ids);
   for (const auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h);
   return norm(h);
 }

@@ -8,6 +8,9 @@
 // (HF's multimodal Qwen3_5ForConditionalGeneration nests the same names under
 // model.language_model.; converting is the checkpoint code's business.)
 //
+// Tied models run the lookup and the LM head as the pair of ops/tied_embedding.h (W gets
+// one gradient; GDR_TIED_EMBEDDING=composite: torch::nn::Embedding + matmul instead).
+//
 // Dtype/device generic: build in FP32 on CPU, init, then module.to(dtype / device).
 #pragma once
 

@@ -71,8 +71,8 @@ TEST_P(AddRowsGpu, OddShapesMatchTheCpuReferenceBitForBit) {
     int64_t tokens, hidden, vocab;
   };
   // H off the vector width (elementwise path), one token, several column tiles, N = 8192.
-  for (const Shape s : {Shape{37, 1001, 50}, Shape{1, 1024, 7}, Shape{1, 6, 3}, Shape{300, 4100, 40},
-                        Shape{96, 3000, 20}, Shape{8192, 1024, 248320}}) {
+  for (const Shape s : {Shape{37, 1001, 50}, Shape{1, 1024, 7}, Shape{1, 6, 3},
+                        Shape{300, 4100, 40}, Shape{96, 3000, 20}, Shape{8192, 1024, 248320}}) {
     const at::Tensor ids = zipf_ids(s.tokens, s.vocab, 3);
     const at::Tensor rows = at::randn({s.tokens, s.hidden}).to(dtype);
     const at::Tensor dw = at::randn({s.vocab, s.hidden}).to(dtype);

@@ -65,9 +65,9 @@ at::Tensor plain_loop_add_rows(const at::Tensor& dw_in, const at::Tensor& ids,
 
 // Ids with repeats: 0 and V-1, one id in many tokens, a few once.
 at::Tensor repeated_ids(int64_t vocab) {
-  return at::tensor(std::vector<int64_t>{3, 0, vocab - 1, 3, 5, 3, 0, 3, 7, 3, 3, vocab - 1, 3, 2, 3,
-                                         3, 6, 3},
-                    at::kLong);
+  return at::tensor(
+      std::vector<int64_t>{3, 0, vocab - 1, 3, 5, 3, 0, 3, 7, 3, 3, vocab - 1, 3, 2, 3, 3, 6, 3},
+      at::kLong);
 }
 
 class AddRowsCpu : public ::testing::TestWithParam<at::ScalarType> {};
@@ -120,7 +120,8 @@ Chain make_chain(at::ScalarType dtype, uint64_t seed) {
   at::manual_seed(seed);
   const int64_t vocab = 11, hidden = 6;
   Chain c;
-  c.ids = at::tensor(std::vector<int64_t>{3, 0, 10, 3, 5, 3, 0, 3, 7, 3}, at::kLong).reshape({2, 5});
+  c.ids =
+      at::tensor(std::vector<int64_t>{3, 0, 10, 3, 5, 3, 0, 3, 7, 3}, at::kLong).reshape({2, 5});
   c.weight = at::randn({vocab, hidden}).to(dtype);
   c.probe = at::randn({2, 5, vocab}).to(dtype);
   return c;
@@ -306,26 +307,42 @@ TEST(TiedEmbeddingChecks, ErrorMessagesNameTheArgument) {
             "tied_embedding_lookup: state is null; expected make_tied_embedding_state()");
   EXPECT_EQ(error_of([&] { tied_embedding_lookup(ids.to(at::kMeta), w, s); }),
             "tied_embedding_lookup: ids are on meta but weight is on cpu; expected one device");
-  EXPECT_EQ(error_of([&] { tied_lm_head(at::zeros({2, 3}, at::kDouble), w, s); }),
+  EXPECT_EQ(error_of([&] {
+              tied_lm_head(at::zeros({2, 3}, at::kDouble), w, s);
+            }),
             "tied_lm_head: expected hidden of dtype Float (weight's), but got Double");
-  EXPECT_EQ(error_of([&] { tied_lm_head(at::zeros({2, 5}), w, s); }),
+  EXPECT_EQ(error_of([&] {
+              tied_lm_head(at::zeros({2, 5}), w, s);
+            }),
             "tied_lm_head: expected hidden [..., 3] with at least 2 dims, but got shape [2, 5]");
-  EXPECT_EQ(error_of([&] { tied_lm_head(at::zeros({2, 3}, at::kMeta), w, s); }),
+  EXPECT_EQ(error_of([&] {
+              tied_lm_head(at::zeros({2, 3}, at::kMeta), w, s);
+            }),
             "tied_lm_head: hidden is on meta but weight is on cpu; expected one device");
-  EXPECT_EQ(error_of([&] { tied_lm_head(at::zeros({2, 3}), at::zeros({4, 3}, at::kInt), s); }),
+  EXPECT_EQ(error_of([&] {
+              tied_lm_head(at::zeros({2, 3}), at::zeros({4, 3}, at::kInt), s);
+            }),
             "tied_lm_head: expected weight of dtype Float, Half, BFloat16 or Double, but got Int");
   at::Tensor dw = at::zeros({4, 3});
-  EXPECT_EQ(error_of([&] { tied_embedding_add_rows_(dw, ids, at::zeros({2, 3}, at::kDouble)); }),
+  EXPECT_EQ(error_of([&] {
+              tied_embedding_add_rows_(dw, ids, at::zeros({2, 3}, at::kDouble));
+            }),
             "tied_embedding_add_rows_: expected rows of dtype Float (grad_weight's), but got "
             "Double");
-  EXPECT_EQ(error_of([&] { tied_embedding_add_rows_(dw, ids, at::zeros({3, 3})); }),
+  EXPECT_EQ(error_of([&] {
+              tied_embedding_add_rows_(dw, ids, at::zeros({3, 3}));
+            }),
             "tied_embedding_add_rows_: expected contiguous rows of shape [2, 3], but got shape "
             "[3, 3] and strides [3, 1]");
   at::Tensor dw_t = at::zeros({3, 4}).t();
-  EXPECT_EQ(error_of([&] { tied_embedding_add_rows_(dw_t, ids, at::zeros({2, 3})); }),
+  EXPECT_EQ(error_of([&] {
+              tied_embedding_add_rows_(dw_t, ids, at::zeros({2, 3}));
+            }),
             "tied_embedding_add_rows_: expected a contiguous 2-D grad_weight [V, H], but got "
             "shape [4, 3] and strides [1, 4]");
-  EXPECT_EQ(error_of([&] { tied_embedding_add_rows_(dw, ids.reshape({1, 2}), at::zeros({2, 3})); }),
+  EXPECT_EQ(error_of([&] {
+              tied_embedding_add_rows_(dw, ids.reshape({1, 2}), at::zeros({2, 3}));
+            }),
             "tied_embedding_add_rows_: expected ids [N] of dtype Long, but got shape [1, 2] and "
             "dtype Long");
 }
