@@ -261,6 +261,19 @@ TEST(TiedEmbeddingPathsCpu, GradForHiddenOnlyThenBackwardWithRetainedGraph) {
   EXPECT_TRUE(at::allclose(w.grad(), w_ref.grad(), 1e-13, 1e-13));
 }
 
+// autograd::grad for W (exec_info names the nodes that lead to W): the single-gradient
+// path still runs and gives backward()'s bits.
+TEST(TiedEmbeddingPathsCpu, AutogradGradForTheWeightGivesBackwardsBits) {
+  const Chain c = make_chain(at::kBFloat16, 10);
+  const TiedChainResult reference = run_tied_chain(true, c.ids, c.weight, c.probe);
+  at::Tensor w = c.weight.clone().requires_grad_(true);
+  const TiedEmbeddingStatePtr state = make_tied_embedding_state();
+  const at::Tensor h = tied_embedding_lookup(c.ids, w, state);
+  const at::Tensor logits = tied_lm_head(h + at::silu(h) * 0.5, w, state);
+  const at::Tensor grad_w = torch::autograd::grad({logits}, {w}, {c.probe})[0];
+  EXPECT_TRUE(bitwise_equal(grad_w, reference.grad_weight));
+}
+
 // W frozen: nothing is stashed, no W gradient, other gradients as in the composite.
 TEST(TiedEmbeddingPathsCpu, FrozenWeightGetsNoGradient) {
   const Chain c = make_chain(at::kFloat, 9);
