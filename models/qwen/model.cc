@@ -84,7 +84,9 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
               "QwenModel: expected input_ids of shape [B, T] and dtype Long but got shape ",
               input_ids.sizes(), " and dtype ", input_ids.scalar_type());
-  at::Tensor h = embed_tokens(input_ids);
+  at::Tensor h = tied_embedding_state
+                     ? tied_embedding_lookup(input_ids, embed_tokens->weight, tied_embedding_state)
+                     : embed_tokens(input_ids);
   // Each layer hands its MLP output over un-added; the next norm adds it (Note [Residual
   // add in the norm]).
   at::Tensor pending;
@@ -114,9 +116,18 @@ QwenForCausalLMImpl::QwenForCausalLMImpl(const QwenConfig& config) : config_(che
 }
 
 at::Tensor QwenForCausalLMImpl::forward(const at::Tensor& input_ids) {
+  if (lm_head) return lm_head(model(input_ids));
+  const at::Tensor& weight = model->embed_tokens->weight;
+  if (!tied_embedding_fusable(weight)) return model(input_ids).matmul(weight.t());  // composite
+  // The lookup and the LM head of this forward share one state, so W gets one gradient.
+  const TiedEmbeddingStatePtr state = make_tied_embedding_state();
+  struct Clear {
+    QwenModelImpl& m;
+    ~Clear() { m.tied_embedding_state = nullptr; }
+  } clear{*model};
+  model->tied_embedding_state = state;
   const at::Tensor hidden = model(input_ids);
-  if (lm_head) return lm_head(hidden);
-  return hidden.matmul(model->embed_tokens->weight.t());
+  return tied_lm_head(hidden, weight, state);
 }
 
 at::Tensor QwenForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels) {

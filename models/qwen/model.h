@@ -8,6 +8,9 @@
 // (HF's multimodal Qwen3_5ForConditionalGeneration nests the same names under
 // model.language_model.; converting is the checkpoint code's business.)
 //
+// Tied models run the lookup and the LM head as the pair of ops/tied_embedding.h (W gets
+// one gradient; GDR_TIED_EMBEDDING=composite: torch::nn::Embedding + matmul instead).
+//
 // Dtype/device generic: build in FP32 on CPU, init, then module.to(dtype / device).
 #pragma once
 
@@ -23,6 +26,7 @@
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
+#include "ops/tied_embedding.h"
 
 namespace gdr {
 
@@ -60,6 +64,11 @@ class QwenModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   ZeroCenteredRMSNorm norm{nullptr};
+
+  // Set by QwenForCausalLM around one forward when the tied pair runs (Note [Tied embedding
+  // gradient] in ops/tied_embedding.cc): forward() then looks the ids up with
+  // tied_embedding_lookup on embed_tokens->weight. Null: embed_tokens(input_ids).
+  TiedEmbeddingStatePtr tied_embedding_state;
 
  private:
   double rms_norm_eps_;
