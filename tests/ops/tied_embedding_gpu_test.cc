@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <memory>
 
@@ -58,7 +59,8 @@ TEST_P(AddRowsGpu, ModelShapesWithZipfIdsMatchTheCpuReferenceBitForBit) {
   const at::ScalarType dtype = GetParam();
   const int64_t tokens = 2048, hidden = 1024, vocab = 248320;
   const at::Tensor ids = zipf_ids(tokens, vocab, 1);
-  ASSERT_LT(std::get<0>(at::_unique(ids)).numel(), tokens / 2) << "the ids repeat a lot";
+  // Log-uniform ids: about 1300 distinct of 2048 at this vocabulary, id 0 in ~1 of 12.
+  ASSERT_LT(std::get<0>(at::_unique(ids)).numel(), tokens * 3 / 4) << "the ids repeat";
   const at::Tensor rows = at::randn({tokens, hidden}).to(dtype);
   const at::Tensor dw = (at::randn({vocab, hidden}) * 0.1).to(dtype);
   expect_kernel_matches_cpu(dw, ids, rows);
@@ -145,29 +147,43 @@ TEST_P(TiedChainGpu, WeightGradientIsTheLmHeadsPlusOrderedRowsRoundedOnce) {
                             expected_fused_grad_weight(c.ids, c.weight, c.probe, fused)));
 }
 
-// Against the composite: f = round(a + s) here, c = round(a + round(s')) there, with a the
-// LM head's dW, s our FP32 token-order sum of the rows and s' ATen's (sorted segments, its
-// own FP32 order). So |f - c| <= ulp/2 (f) + ulp/2 (c) + ulp/2 (s) + |s - s'|: with the
-// unit roundoff u (2^-8 for BF16, 2^-24 for FP32), |f - c| <= u (|f| + |c| + |s|) plus
-// the FP32 reordering term, bounded here by 2^-20 |s| (a few hundred rows at most).
-TEST_P(TiedChainGpu, WeightGradientIsWithinTheRoundingBoundOfTheComposites) {
+// Against the exact value e = a + sum of the token rows (FP64; a the LM head's dW, the
+// same rounded GEMM output in both paths): ours is f = round(a + s) with s the FP32 sum in
+// token order, so |f - e| <= (u + 2^-23) |f| (the FP32 add, then the store's rounding)
+// + |s - s_exact| with u the unit roundoff (2^-8 BF16,
+// 2^-24 FP32) and |s - s_exact| <= (m - 1) 2^-24 sum |rows| for a row of m tokens. The
+// composite rounds ATen's embedding gradient to the storage type before its add (and, in
+// BF16, its segment partials), so for BF16 its worst error is not smaller than ours.
+// (A first bound on |f - c| directly, with 2^-20 |s| for the reordering, failed on the
+// H200: cancellation makes |s| small next to the terms.)
+TEST_P(TiedChainGpu, WeightGradientIsWithinTheRoundingBoundOfTheExactSum) {
   const at::ScalarType dtype = GetParam();
   const Chain c = make_chain(dtype, 9);
   const TiedChainResult fused = run_tied_chain(true, c.ids, c.weight, c.probe);
   const TiedChainResult composite = run_tied_chain(false, c.ids, c.weight, c.probe);
+  const int64_t n = c.ids.numel(), hsize = c.weight.size(1), v = c.weight.size(0);
+  const at::Tensor ids = c.ids.reshape({-1}).cpu();
+  const at::Tensor rows = fused.grad_h.reshape({n, hsize}).cpu().to(at::kDouble);
+  const at::Tensor h = at::embedding(c.weight, c.ids);
+  const at::Tensor hidden = h + at::silu(h) * 0.5;
+  at::Tensor exact =
+      c.probe.reshape({n, v}).t().mm(hidden.reshape({n, hsize})).cpu().to(at::kDouble);
+  tied_embedding_add_rows_(exact, ids, rows);
+  at::Tensor abs_sum = at::zeros({v, hsize}, at::kDouble);
+  tied_embedding_add_rows_(abs_sum, ids, rows.abs());
+  const at::Tensor count = at::bincount(ids, {}, v).to(at::kDouble).unsqueeze(1);
   const at::Tensor f = fused.grad_weight.cpu().to(at::kDouble);
   const at::Tensor g = composite.grad_weight.cpu().to(at::kDouble);
-  at::Tensor s = at::zeros(c.weight.sizes(), at::kFloat);
-  tied_embedding_add_rows_(s, c.ids.reshape({-1}).cpu(),
-                           fused.grad_h.reshape({2048, 1024}).cpu().to(at::kFloat));
-  const at::Tensor s64 = s.to(at::kDouble).abs();
   const double u = dtype == at::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -24);
-  const at::Tensor bound = (f.abs() + g.abs() + s64) * u + s64 * std::ldexp(1.0, -20) + 1e-30;
-  const at::Tensor excess = (f - g).abs() - bound;
+  const at::Tensor bound = f.abs() * (u + std::ldexp(1.0, -23)) +
+                           (count - 1).clamp_min(0) * std::ldexp(1.0, -24) * abs_sum + 1e-30;
+  const at::Tensor excess = (f - exact).abs() - bound;
   EXPECT_LE(excess.max().item<double>(), 0.0);
-  if (dtype == at::kBFloat16) {  // in FP32 both sums are FP32 and may agree exactly
-    EXPECT_GT((f - g).abs().max().item<double>(), 0.0) << "the composite rounds twice";
-  }
+  const double fused_error = (f - exact).abs().max().item<double>();
+  const double composite_error = (g - exact).abs().max().item<double>();
+  std::printf("%s: worst |W grad - exact| fused %.3e, composite %.3e\n", c10::toString(dtype),
+              fused_error, composite_error);
+  if (dtype == at::kBFloat16) EXPECT_LE(fused_error, composite_error);
 }
 
 TEST_P(TiedChainGpu, TwentyRunsGiveTheSameBits) {
