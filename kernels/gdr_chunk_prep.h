@@ -70,8 +70,9 @@ struct TokenStrides {
 // NOTE: keep in sync with the carve-up at the top of each kernel body.
 inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
-  (void)dv;  // the right-hand side [beta V | beta K exp(G)] lives in registers
-  return 2 * C * (dk + 4) + C * C + 5 * C;
+  // The right-hand side [beta V | beta K exp(G)] lives in registers; a BF16 V is staged
+  // first (C x dv BF16, Note [Chunk prep BF16 value staging]).
+  return 2 * C * (dk + 4) + C * C + 5 * C + C * dv / 2;
 }
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;

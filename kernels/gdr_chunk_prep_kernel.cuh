@@ -3,11 +3,12 @@
 // __global__ kernel with dynamic shared memory, and by the CPU test
 // //tests/ops:gdr_chunk_prep_kernel_emulation_test, which supplies host stand-ins for the
 // CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
-// NOTE: keep this file free of includes (besides kernels/mma_tf32.cuh) and of CUDA APIs
-// beyond __device__, __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float,
-// __float_as_uint, expf, fmaf and rsqrtf, and of the tensor-core primitives of
-// kernels/mma_tf32.cuh: the emulation test defines exactly those (the primitives with
-// GDR_MMA_TF32_HOST_HELPERS and tests/ops/emulated_mma_tf32.h).
+// NOTE: keep this file free of includes (besides kernels/mma_tf32.cuh, kernels/cp_async.cuh
+// and <type_traits>) and of CUDA APIs beyond __device__, __forceinline__, __syncthreads,
+// threadIdx, blockIdx, __uint_as_float, __float_as_uint, expf, fmaf and rsqrtf, the
+// tensor-core primitives of kernels/mma_tf32.cuh and cp_async_4 / cp_async_wait_all: the
+// emulation test defines exactly those (with GDR_MMA_TF32_HOST_HELPERS,
+// GDR_CP_ASYNC_HOST_HELPERS, tests/ops/emulated_mma_tf32.h and emulated_cp_async.h).
 //
 // Note [Chunk prep determinism]
 // One block owns one (batch, value head, chunk) and writes only that chunk's rows of every
@@ -94,6 +95,9 @@
 // row index and stay SIMT.
 #pragma once
 
+#include <type_traits>
+
+#include "kernels/cp_async.cuh"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/mma_tf32.cuh"
 
@@ -622,6 +626,22 @@ __device__ __forceinline__ void back_substitute(const float* mt, float (&x)[kC])
 // [beta V | beta K exp(G)] (V straight from global memory, coalesced across the warp),
 // then row i is rhs_i - sum_{j<i} M_ij X_j, j in order. Columns are independent, so the
 // substitution needs no barrier at all.
+// Note [Chunk prep BF16 value staging]
+// The forward's value columns are read one thread per column, 64 rows each, as the
+// triangular solve's right-hand side. For a BF16 v those 2-byte loads (64 bytes per warp
+// and row, strided by the token pitch) stalled the block on L1TEX scoreboards: ncu on the
+// H200 in the 0.8B step measured 178 us against 145 us for the same kernel reading an
+// FP32 copy of v (38% of the cycles stalled on that scoreboard). So a BF16 v chunk is first
+// copied into shared memory with 4-byte cp.async (two values per copy, 128 bytes per warp
+// and row, all in flight at once and overlapping the Q / K loads), and the columns are read
+// from there: the same values, so the same bits. v rows that are not 4-byte aligned are
+// staged one value at a time (one code path for the solve either way: a second one made
+// ptxas spill 134 bytes instead of 28).
+__device__ __forceinline__ bool aligned_pairs(const void* base, const TokenStrides& st) {
+  return reinterpret_cast<unsigned long long>(base) % 4 == 0 && st.batch % 2 == 0 &&
+         st.token % 2 == 0 && st.head % 2 == 0;
+}
+
 template <typename TQK, typename TV, bool TC>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
@@ -635,10 +655,29 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* es = bs + kC;
   float* rq = es + kC;
   float* rk = rq + kC;
+  float* vstage = rk + kC;  // C x dv BF16 (Note [Chunk prep BF16 value staging])
   constexpr int kThreads = kForwardThreads;
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TV* v = static_cast<const TV*>(args.v);
+  constexpr bool kStaged = std::is_same<TV, Bf16>::value;
+  if constexpr (kStaged) {
+    const int pairs = dv / 2;  // dv is a multiple of 16
+    const bool aligned = aligned_pairs(args.v, args.v_strides);
+    for (int e = tid; e < kC * pairs; e += kThreads) {
+      const int i = e / pairs, w = e % pairs;
+      const TV* src = v + input_row(args.v_strides, place, i) + 2 * w;
+      if (i >= place.rows) {
+        vstage[e] = 0.0f;  // two BF16 zeros
+      } else if (aligned) {
+        cp_async_4(vstage + e, reinterpret_cast<const float*>(src));
+      } else {  // odd strides or base: the two values one at a time
+        Bf16* dst = reinterpret_cast<Bf16*>(vstage + e);
+        dst[0] = src[0];
+        dst[1] = src[1];
+      }
+    }
+  }
 
   load_qk<TQK, kThreads>(args, place, qs, kp, ks, kp);
   load_decays(args, place, gs, bs, es);  // a barrier, then the cumsum (no barrier after)
@@ -676,19 +715,26 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
     kend[e] = ks[i * kp + c] * expf(g_last - gs[i]);
   }
   if (tid == 0) args.g_last[place.block] = g_last;
-  __syncthreads();  // M complete
+  if constexpr (kStaged) cp_async_wait_all();
+  __syncthreads();  // M complete (and the staged v)
 
   float* u = args.u + place.block * kC * dv;
   float* w = args.w + place.block * kC * dk;
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
     if (c < dv) {
-      const TV* vc = v + input_row(args.v_strides, place, 0) + c;
-      const long long token = args.v_strides.token;
+      if constexpr (kStaged) {
+        const Bf16* vs = reinterpret_cast<const Bf16*>(vstage) + c;
 #pragma unroll
-      for (int i = 0; i < kC; ++i) {
-        const float vv = i < place.rows ? load_float(vc + i * token) : 0.0f;
-        x[i] = vv * bs[i];
+        for (int i = 0; i < kC; ++i) x[i] = load_float(vs + i * dv) * bs[i];
+      } else {
+        const TV* vc = v + input_row(args.v_strides, place, 0) + c;
+        const long long token = args.v_strides.token;
+#pragma unroll
+        for (int i = 0; i < kC; ++i) {
+          const float vv = i < place.rows ? load_float(vc + i * token) : 0.0f;
+          x[i] = vv * bs[i];
+        }
       }
       forward_substitute(ms, x);
 #pragma unroll

@@ -58,22 +58,40 @@ __global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32, 4)
   }
 }
 
-// dx (contiguous rows) += the stream gradient's row, rounded as autograd's add rounds:
-// one block per row, VEC elements per thread and step.
+// dx (contiguous rows) += the stream gradient's rows, rounded as autograd's add rounds.
+// Flat over the VEC-element packs, kAddItems per thread with every load issued before the
+// math (one block per row of 128 threads ran at ~1.3 TB/s, 9.3 us per call at the 0.8B
+// shape, against ~3.7 us for ATen's add).
+constexpr int kAddThreads = 256;
+constexpr int kAddItems = 4;
+
 template <typename T, int VEC>
-__global__ void add_stream_gradient_kernel(const RmsNormShape shape, const RowOperand grad_sum,
-                                           void* dx_data) {
-  const int64_t row = blockIdx.x;
-  const T* ds =
-      static_cast<const T*>(grad_sum.data) + rms_norm_detail::row_offset(shape, grad_sum, row);
-  T* dx = static_cast<T*>(dx_data) + row * shape.cols;
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < shape.cols;
-       c += static_cast<int64_t>(blockDim.x) * VEC) {
-    float dxv[VEC], dsv[VEC];
-    load_floats<T, VEC>(dx + c, dxv);
-    load_floats<T, VEC>(ds + c, dsv);
-    rms_norm_detail::add_stream_gradient<T, VEC>(dxv, dsv);
-    store_floats<T, VEC>(dx + c, dxv);
+__global__ void __launch_bounds__(kAddThreads)
+    add_stream_gradient_kernel(const RmsNormShape shape, const RowOperand grad_sum, void* dx_data) {
+  const int64_t packs_per_row = shape.cols / VEC;
+  const int64_t packs = shape.rows * packs_per_row;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kAddThreads * kAddItems + threadIdx.x;
+  T* dx = static_cast<T*>(dx_data);
+  float dxv[kAddItems][VEC], dsv[kAddItems][VEC];
+#pragma unroll
+  for (int u = 0; u < kAddItems; ++u) {
+    const int64_t p = first + static_cast<int64_t>(u) * kAddThreads;
+    if (p < packs) {
+      const int64_t row = p / packs_per_row, c = (p - row * packs_per_row) * VEC;
+      load_floats<T, VEC>(dx + row * shape.cols + c, dxv[u]);
+      load_floats<T, VEC>(static_cast<const T*>(grad_sum.data) +
+                              rms_norm_detail::row_offset(shape, grad_sum, row) + c,
+                          dsv[u]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kAddItems; ++u) {
+    const int64_t p = first + static_cast<int64_t>(u) * kAddThreads;
+    if (p < packs) {
+      const int64_t row = p / packs_per_row, c = (p - row * packs_per_row) * VEC;
+      rms_norm_detail::add_stream_gradient<T, VEC>(dxv[u], dsv[u]);
+      store_floats<T, VEC>(dx + row * shape.cols + c, dxv[u]);
+    }
   }
 }
 
@@ -271,10 +289,11 @@ int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
     RmsNormBackwardArgs plain = args;
     plain.grad_sum = RowOperand();
     backward_typed<T, TW, kVec>(plain, launch, stream);
-    const int threads = static_cast<int>(std::min<int64_t>(args.shape.cols / kVec, 256));
+    const int64_t packs = args.shape.rows * (args.shape.cols / kVec);
+    const int64_t blocks = (packs + kAddThreads * kAddItems - 1) / (kAddThreads * kAddItems);
     add_stream_gradient_kernel<T, kVec>
-        <<<static_cast<unsigned int>(args.shape.rows), threads, 0, stream>>>(
-            args.shape, args.grad_sum, args.dx);
+        <<<static_cast<unsigned int>(blocks), kAddThreads, 0, stream>>>(args.shape, args.grad_sum,
+                                                                        args.dx);
   } else if (vectorised) {
     backward_typed<T, TW, kVec>(args, launch, stream);
   } else {

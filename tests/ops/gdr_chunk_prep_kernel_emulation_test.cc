@@ -33,6 +33,7 @@
 // NOTE in the .cuh): threadIdx, blockIdx, __syncthreads and the per-warp barriers from
 // tests/ops/emulated_cuda.h, the tensor-core primitives (cvt.rna.tf32, the warp-collective
 // mma.sync m16n8k8, counted in g_mma_count) from tests/ops/emulated_mma_tf32.h.
+#include "tests/ops/emulated_cp_async.h"
 #include "tests/ops/emulated_cuda.h"
 #include "tests/ops/emulated_mma_tf32.h"
 
@@ -53,7 +54,9 @@ float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 #define __device__
 #define __forceinline__ inline
 #define GDR_MMA_TF32_HOST_HELPERS
+#define GDR_CP_ASYNC_HOST_HELPERS
 #include "kernels/gdr_chunk_prep_kernel.cuh"
+#undef GDR_CP_ASYNC_HOST_HELPERS
 #undef GDR_MMA_TF32_HOST_HELPERS
 #undef __device__
 #undef __forceinline__
