@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernels/rms_norm.h"
 
@@ -60,39 +61,58 @@ __global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32, 4)
 
 // dx (contiguous rows) += the stream gradient's rows, rounded as autograd's add rounds.
 // Flat over the VEC-element packs, kAddItems per thread with every load issued before the
-// math (one block per row of 128 threads ran at ~1.3 TB/s, 9.3 us per call at the 0.8B
-// shape, against ~3.7 us for ATen's add).
+// math. kContiguous: the stream gradient is contiguous [rows, cols] too and the packs fit
+// 32-bit indices, so a pack's offset is its index (a per-pack row decoding with 64-bit
+// divisions made this kernel instruction-bound: 7.8 us per call at the 0.8B shape against
+// 3.7 for ATen's add; one block per row before that, 9.3 us).
 constexpr int kAddThreads = 256;
 constexpr int kAddItems = 4;
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool kContiguous>
 __global__ void __launch_bounds__(kAddThreads)
     add_stream_gradient_kernel(const RmsNormShape shape, const RowOperand grad_sum, void* dx_data) {
-  const int64_t packs_per_row = shape.cols / VEC;
-  const int64_t packs = shape.rows * packs_per_row;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kAddThreads * kAddItems + threadIdx.x;
+  using Index = std::conditional_t<kContiguous, int32_t, int64_t>;
+  const Index packs_per_row = static_cast<Index>(shape.cols / VEC);
+  const Index packs = static_cast<Index>(shape.rows) * packs_per_row;
+  const Index first =
+      static_cast<Index>(blockIdx.x) * (kAddThreads * kAddItems) + static_cast<Index>(threadIdx.x);
   T* dx = static_cast<T*>(dx_data);
+  const T* ds = static_cast<const T*>(grad_sum.data);
+  auto ds_offset = [&](Index p) -> int64_t {
+    if constexpr (kContiguous) {
+      return static_cast<int64_t>(p) * VEC;
+    } else {
+      const Index row = p / packs_per_row;
+      return rms_norm_detail::row_offset(shape, grad_sum, row) + (p - row * packs_per_row) * VEC;
+    }
+  };
   float dxv[kAddItems][VEC], dsv[kAddItems][VEC];
 #pragma unroll
   for (int u = 0; u < kAddItems; ++u) {
-    const int64_t p = first + static_cast<int64_t>(u) * kAddThreads;
+    const Index p = first + static_cast<Index>(u) * kAddThreads;
     if (p < packs) {
-      const int64_t row = p / packs_per_row, c = (p - row * packs_per_row) * VEC;
-      load_floats<T, VEC>(dx + row * shape.cols + c, dxv[u]);
-      load_floats<T, VEC>(static_cast<const T*>(grad_sum.data) +
-                              rms_norm_detail::row_offset(shape, grad_sum, row) + c,
-                          dsv[u]);
+      load_floats<T, VEC>(dx + static_cast<int64_t>(p) * VEC, dxv[u]);
+      load_floats<T, VEC>(ds + ds_offset(p), dsv[u]);
     }
   }
 #pragma unroll
   for (int u = 0; u < kAddItems; ++u) {
-    const int64_t p = first + static_cast<int64_t>(u) * kAddThreads;
+    const Index p = first + static_cast<Index>(u) * kAddThreads;
     if (p < packs) {
-      const int64_t row = p / packs_per_row, c = (p - row * packs_per_row) * VEC;
       rms_norm_detail::add_stream_gradient<T, VEC>(dxv[u], dsv[u]);
-      store_floats<T, VEC>(dx + row * shape.cols + c, dxv[u]);
+      store_floats<T, VEC>(dx + static_cast<int64_t>(p) * VEC, dxv[u]);
     }
   }
+}
+
+// True when op's rows are those of a contiguous [rows, cols] tensor (size-1 dims aside).
+bool contiguous_rows(const RmsNormShape& shape, const RowOperand& op) {
+  int64_t expected = shape.cols;
+  for (int k = shape.row_dims - 1; k >= 0; --k) {
+    if (shape.row_sizes[k] > 1 && op.row_strides[k] != expected) return false;
+    expected *= shape.row_sizes[k];
+  }
+  return true;
 }
 
 template <typename TW>
@@ -291,9 +311,15 @@ int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
     backward_typed<T, TW, kVec>(plain, launch, stream);
     const int64_t packs = args.shape.rows * (args.shape.cols / kVec);
     const int64_t blocks = (packs + kAddThreads * kAddItems - 1) / (kAddThreads * kAddItems);
-    add_stream_gradient_kernel<T, kVec>
-        <<<static_cast<unsigned int>(blocks), kAddThreads, 0, stream>>>(args.shape, args.grad_sum,
-                                                                        args.dx);
+    if (contiguous_rows(args.shape, args.grad_sum) && packs < (int64_t{1} << 31)) {
+      add_stream_gradient_kernel<T, kVec, true>
+          <<<static_cast<unsigned int>(blocks), kAddThreads, 0, stream>>>(args.shape, args.grad_sum,
+                                                                          args.dx);
+    } else {
+      add_stream_gradient_kernel<T, kVec, false>
+          <<<static_cast<unsigned int>(blocks), kAddThreads, 0, stream>>>(args.shape, args.grad_sum,
+                                                                          args.dx);
+    }
   } else if (vectorised) {
     backward_typed<T, TW, kVec>(args, launch, stream);
   } else {

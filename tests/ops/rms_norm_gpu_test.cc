@@ -327,7 +327,7 @@ TEST(RmsNormGpuVariants, ResidentKernelsMatchTheStreamingKernelsBitForBit) {
 // and the gradients of x, residual and weight, with and without a gradient on the sum,
 // for the register-resident kernels (16-byte rows: model shape, 4-chunk and partial-chunk
 // rows), the scalar kernels (rows not a multiple of the vector), a strided residual, FP32
-// weights, and the streaming kernels.
+// weights, a strided sum gradient, and the streaming kernels.
 TEST(AddRmsNormGpu, FusedGivesTheBitsOfTheAddThenTheFusedNorm) {
   struct AddCase {
     std::vector<int64_t> shape;
@@ -358,7 +358,12 @@ TEST(AddRmsNormGpu, FusedGivesTheBitsOfTheAddThenTheFusedNorm) {
       residual = residual.reshape(swapped).transpose(0, 1);
       ASSERT_FALSE(residual.is_contiguous()) << context;
     }
-    const at::Tensor grad_sum = at::randn(c.shape, in.x.options());
+    at::Tensor grad_sum = at::randn(c.shape, in.x.options());
+    if (c.transposed_residual) {  // the sum's gradient strided too
+      std::vector<int64_t> swapped(c.shape);
+      std::swap(swapped[0], swapped[1]);
+      grad_sum = grad_sum.reshape(swapped).transpose(0, 1);
+    }
     for (const bool with_grad_sum : {true, false}) {
       auto run_both = [&](bool fused) {
         const at::Tensor x = in.x.detach().requires_grad_(true);
