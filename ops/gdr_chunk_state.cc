@@ -6,6 +6,8 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mv.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -309,7 +311,13 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   at::Tensor dqd = batched_product(gemm, false, true, {{dO3, S3}}).view({B, H, N, C, dk});
   at::Tensor dp = batched_product(gemm, false, true, {{dO3, V3}}).view({B, H, N, C, C});
   at::Tensor dkend = batched_product(gemm, false, true, {{V3, G3}}).view({B, H, N, C, dk});
-  at::Tensor dg_last = dot_partials.sum(-1);
+  // The scan's partial dots summed per (b, h, n): a matrix-vector product with ones (one
+  // cuBLAS GEMV, deterministic) instead of at::sum over the last dim, whose reduce kernel
+  // ran 528 rows of 2048 at 9.7 us per call in the 0.8B step (0.7 ms per step on the H200).
+  const int64_t parts = dot_partials.size(-1);
+  at::Tensor dg_last =
+      at::mv(dot_partials.view({-1, parts}), at::ones({parts}, dot_partials.options()))
+          .view({B, H, N});
   return {du, dw, dqd, dp, dkend, dg_last, d_initial};
 }
 
