@@ -88,8 +88,18 @@ void check_same_as_x(const char* op, const at::Tensor& t, const char* name, cons
               " is on ", x.device(), "; expected all tensors on one device");
 }
 
+bool check_add_backward_inputs(const char* op, const at::Tensor& grad_y,
+                               const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
+                               const at::Tensor& weight, const at::Tensor& rstd) {
+  check_backward_inputs(op, grad_y, sum, "sum", nullptr, weight, rstd);
+  const bool has_grad_sum = grad_sum.has_value() && grad_sum->defined();
+  if (has_grad_sum) check_same_as_x(op, *grad_sum, "grad_sum", sum, "sum");
+  return has_grad_sum;
+}
+
 }  // namespace rms_norm_internal
 
+using rms_norm_internal::check_add_backward_inputs;
 using rms_norm_internal::check_backward_inputs;
 using rms_norm_internal::check_forward_inputs;
 using rms_norm_internal::check_same_as_x;
@@ -199,10 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_forward_cpu(
 std::tuple<at::Tensor, at::Tensor> add_zero_centered_backward_cpu(
     const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
     const at::Tensor& weight, const at::Tensor& rstd) {
-  constexpr const char* kOp = "add_zero_centered_rms_norm_backward";
-  check_backward_inputs(kOp, grad_y, sum, "sum", nullptr, weight, rstd);
-  const bool has_grad_sum = grad_sum.has_value() && grad_sum->defined();
-  if (has_grad_sum) check_same_as_x(kOp, *grad_sum, "grad_sum", sum, "sum");
+  const bool has_grad_sum = check_add_backward_inputs("add_zero_centered_rms_norm_backward", grad_y,
+                                                      grad_sum, sum, weight, rstd);
   auto [dx, dw] = zero_centered_backward_cpu(grad_y, sum, weight, rstd);
   if (has_grad_sum) dx = dx + *grad_sum;
   return {dx, dw};

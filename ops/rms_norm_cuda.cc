@@ -21,6 +21,7 @@
 namespace gdr {
 namespace {
 
+using rms_norm_internal::check_add_backward_inputs;
 using rms_norm_internal::check_backward_inputs;
 using rms_norm_internal::check_forward_inputs;
 using rms_norm_internal::check_same_as_x;
@@ -95,32 +96,6 @@ at::Tensor rstd_like(const at::Tensor& x) {
   return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
 }
 
-std::tuple<at::Tensor, at::Tensor> zero_centered_forward_cuda(const at::Tensor& x,
-                                                              const at::Tensor& weight,
-                                                              double eps) {
-  constexpr const char* kOp = "zero_centered_rms_norm";
-  check_forward_inputs(kOp, x, "x", nullptr, weight);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  const at::Tensor xr = rows_of(x, needs_flatten(x));
-  const auto [w, weight_fp32] = weight_for(weight, x.scalar_type());
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor rstd = rstd_like(x);
-  kernels::RmsNormForwardArgs args;
-  args.streaming_only = streaming_kernels();
-  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
-  args.dtype = norm_dtype(x.scalar_type());
-  args.weight_fp32 = weight_fp32;
-  args.shape = shape_of(xr);
-  args.x = operand_of(xr);
-  args.weight = w.data_ptr();
-  args.eps = static_cast<float>(eps);
-  args.y = y.data_ptr();
-  args.rstd = rstd.data_ptr<float>();
-  check_launch(kernels::launch_rms_norm_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
-               kOp, "forward");
-  return {y, rstd};
-}
-
 // Backward launches: the row kernel, then the ordered reduction into dw (weight's dtype).
 at::Tensor launch_backward(kernels::RmsNormBackwardArgs& args, const at::Tensor& weight,
                            const at::Tensor& like, const char* op) {
@@ -139,17 +114,69 @@ at::Tensor launch_backward(kernels::RmsNormBackwardArgs& args, const at::Tensor&
   return dw;
 }
 
-std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cuda(const at::Tensor& grad_y,
-                                                               const at::Tensor& x,
-                                                               const at::Tensor& weight,
-                                                               const at::Tensor& rstd) {
-  constexpr const char* kOp = "zero_centered_rms_norm_backward";
-  check_backward_inputs(kOp, grad_y, x, "x", nullptr, weight, rstd);
+// The zero-centred forward, with the residual add when `residual` is given (Note
+// [RMSNorm with the residual add] in kernels/rms_norm_kernel.cuh: the sum is written
+// contiguous and normalised in the same pass). Returns (y, sum or undefined, rstd).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zero_centered_forward_launch(
+    const char* op, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+    double eps) {
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  // Both operands through one row decoding: flatten both when either needs it.
+  const bool flatten = needs_flatten(x);
+  const at::Tensor xr = rows_of(x, flatten);
+  const at::Tensor rr = residual != nullptr ? rows_of(*residual, flatten) : at::Tensor();
+  const auto [w, weight_fp32] = weight_for(weight, x.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor sum = residual != nullptr ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  at::Tensor rstd = rstd_like(x);
+  kernels::RmsNormForwardArgs args;
+  args.streaming_only = streaming_kernels();
+  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
+  args.dtype = norm_dtype(x.scalar_type());
+  args.weight_fp32 = weight_fp32;
+  args.shape = shape_of(xr);
+  args.x = operand_of(xr);
+  if (residual != nullptr) {
+    args.residual = operand_of(rr);
+    args.sum = sum.data_ptr();
+  }
+  args.weight = w.data_ptr();
+  args.eps = static_cast<float>(eps);
+  args.y = y.data_ptr();
+  args.rstd = rstd.data_ptr<float>();
+  check_launch(kernels::launch_rms_norm_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
+               op, "forward");
+  return {y, sum, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> zero_centered_forward_cuda(const at::Tensor& x,
+                                                              const at::Tensor& weight,
+                                                              double eps) {
+  constexpr const char* kOp = "zero_centered_rms_norm";
+  check_forward_inputs(kOp, x, "x", nullptr, weight);
+  auto [y, sum, rstd] = zero_centered_forward_launch(kOp, x, nullptr, weight, eps);
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_forward_cuda(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  constexpr const char* kOp = "add_zero_centered_rms_norm";
+  check_forward_inputs(kOp, x, "x", nullptr, weight);
+  check_same_as_x(kOp, residual, "residual", x, "x");
+  return zero_centered_forward_launch(kOp, x, &residual, weight, eps);
+}
+
+// The zero-centred backward; with `grad_sum`, dx also carries the residual stream's
+// gradient (Note [RMSNorm with the residual add]).
+std::tuple<at::Tensor, at::Tensor> zero_centered_backward_launch(
+    const char* op, const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor* grad_sum,
+    const at::Tensor& weight, const at::Tensor& rstd) {
   const c10::cuda::CUDAGuard device_guard(x.device());
   const at::ScalarType t = x.scalar_type();
   const bool flatten = needs_flatten(x);
   const at::Tensor xr = rows_of(x, flatten);
   const at::Tensor gr = rows_of(grad_y.to(t), flatten);
+  const at::Tensor dsr = grad_sum != nullptr ? rows_of(*grad_sum, flatten) : at::Tensor();
   const at::Tensor rstd_c = rstd.contiguous();
   const auto [w, weight_fp32] = weight_for(weight, t);
   at::Tensor dx = at::empty(x.sizes(), x.options());
@@ -161,77 +188,30 @@ std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cuda(const at::Tensor&
   args.shape = shape_of(xr);
   args.grad_y = operand_of(gr);
   args.x = operand_of(xr);
+  if (grad_sum != nullptr) args.grad_sum = operand_of(dsr);
   args.weight = w.data_ptr();
   args.rstd = rstd_c.data_ptr<float>();
   args.dx = dx.data_ptr();
-  at::Tensor dw = launch_backward(args, weight, x, kOp);
+  at::Tensor dw = launch_backward(args, weight, x, op);
   return {dx, dw};
 }
 
-// Note [RMSNorm with the residual add] (kernels/rms_norm_kernel.cuh): the sum is written
-// contiguous and normalised in the same pass.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_zero_centered_forward_cuda(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
-  constexpr const char* kOp = "add_zero_centered_rms_norm";
-  check_forward_inputs(kOp, x, "x", nullptr, weight);
-  check_same_as_x(kOp, residual, "residual", x, "x");
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  // Both operands through one row decoding: flatten both when either needs it.
-  const bool flatten = needs_flatten(x);
-  const at::Tensor xr = rows_of(x, flatten);
-  const at::Tensor rr = rows_of(residual, flatten);
-  const auto [w, weight_fp32] = weight_for(weight, x.scalar_type());
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor sum = at::empty(x.sizes(), x.options());
-  at::Tensor rstd = rstd_like(x);
-  kernels::RmsNormForwardArgs args;
-  args.streaming_only = streaming_kernels();
-  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
-  args.dtype = norm_dtype(x.scalar_type());
-  args.weight_fp32 = weight_fp32;
-  args.shape = shape_of(xr);
-  args.x = operand_of(xr);
-  args.residual = operand_of(rr);
-  args.weight = w.data_ptr();
-  args.eps = static_cast<float>(eps);
-  args.y = y.data_ptr();
-  args.sum = sum.data_ptr();
-  args.rstd = rstd.data_ptr<float>();
-  check_launch(kernels::launch_rms_norm_forward(args, c10::cuda::getCurrentCUDAStream().stream()),
-               kOp, "forward");
-  return {y, sum, rstd};
+std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cuda(const at::Tensor& grad_y,
+                                                               const at::Tensor& x,
+                                                               const at::Tensor& weight,
+                                                               const at::Tensor& rstd) {
+  constexpr const char* kOp = "zero_centered_rms_norm_backward";
+  check_backward_inputs(kOp, grad_y, x, "x", nullptr, weight, rstd);
+  return zero_centered_backward_launch(kOp, grad_y, x, nullptr, weight, rstd);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_zero_centered_backward_cuda(
     const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,
     const at::Tensor& weight, const at::Tensor& rstd) {
   constexpr const char* kOp = "add_zero_centered_rms_norm_backward";
-  check_backward_inputs(kOp, grad_y, sum, "sum", nullptr, weight, rstd);
-  const bool has_grad_sum = grad_sum.has_value() && grad_sum->defined();
-  if (has_grad_sum) check_same_as_x(kOp, *grad_sum, "grad_sum", sum, "sum");
-  const c10::cuda::CUDAGuard device_guard(sum.device());
-  const at::ScalarType t = sum.scalar_type();
-  const bool flatten = needs_flatten(sum);
-  const at::Tensor sr = rows_of(sum, flatten);
-  const at::Tensor gr = rows_of(grad_y.to(t), flatten);
-  const at::Tensor dsr = has_grad_sum ? rows_of(*grad_sum, flatten) : at::Tensor();
-  const at::Tensor rstd_c = rstd.contiguous();
-  const auto [w, weight_fp32] = weight_for(weight, t);
-  at::Tensor dx = at::empty(sum.sizes(), sum.options());
-  kernels::RmsNormBackwardArgs args;
-  args.streaming_only = streaming_kernels();
-  args.flavour = kernels::RmsNormFlavour::kZeroCentred;
-  args.dtype = norm_dtype(t);
-  args.weight_fp32 = weight_fp32;
-  args.shape = shape_of(sr);
-  args.grad_y = operand_of(gr);
-  args.x = operand_of(sr);
-  if (has_grad_sum) args.grad_sum = operand_of(dsr);
-  args.weight = w.data_ptr();
-  args.rstd = rstd_c.data_ptr<float>();
-  args.dx = dx.data_ptr();
-  at::Tensor dw = launch_backward(args, weight, sum, kOp);
-  return {dx, dw};
+  const bool has_grad_sum = check_add_backward_inputs(kOp, grad_y, grad_sum, sum, weight, rstd);
+  return zero_centered_backward_launch(kOp, grad_y, sum, has_grad_sum ? &*grad_sum : nullptr,
+                                       weight, rstd);
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_forward_cuda(const at::Tensor& o, const at::Tensor& z,
