@@ -39,11 +39,28 @@ void check_activation(const char* module, const at::Tensor& x, int64_t hidden) {
 // Both norms take the fused op (ops/rms_norm.h) for CUDA FP32/FP16/BF16 inputs unless
 // GDR_RMS_NORM=composite (read at every call; a bad value is an error on every device);
 // the CPU and FP64 keep the composition, so their numerics do not change.
+namespace {
+bool norm_takes_fused_op(const at::Tensor& x, const at::Tensor& weight) {
+  return rms_norm_impl() == RmsNormImpl::kFused && rms_norm_fused_supports(x) &&
+         weight.scalar_type() != at::kDouble;
+}
+}  // namespace
+
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const bool fused = rms_norm_impl() == RmsNormImpl::kFused;
-  if (fused && rms_norm_fused_supports(x) && weight.scalar_type() != at::kDouble)
-    return zero_centered_rms_norm_fused(x, weight, eps);
+  if (norm_takes_fused_op(x, weight)) return zero_centered_rms_norm_fused(x, weight, eps);
   return zero_centered_rms_norm_composite(x, weight, eps);
+}
+
+std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
+                                                             const at::Tensor& residual,
+                                                             const at::Tensor& weight, double eps) {
+  if (add_rms_norm_impl() == AddRmsNormImpl::kFused && norm_takes_fused_op(x, weight) &&
+      residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes()) {
+    auto [normed, sum] = add_zero_centered_rms_norm_fused(x, residual, weight, eps);
+    return {normed, sum};
+  }
+  at::Tensor sum = x + residual;
+  return {zero_centered_rms_norm(sum, weight, eps), sum};
 }
 
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,

@@ -16,6 +16,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "models/qwen/config.h"
 
@@ -26,6 +27,14 @@ namespace gdr {
 // otherwise the composition (ops/rms_norm.h: zero_centered_rms_norm_composite, the
 // reference).
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// (zero_centered_rms_norm(x + residual), x + residual) for the pre-norm residual stream:
+// where that norm takes the fused op and GDR_ADD_RMS_NORM says fused (the default), the
+// add happens inside the norm's kernels (ops/rms_norm.h: add_zero_centered_rms_norm_fused,
+// the same bits); otherwise ATen's add, then the norm.
+std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
+                                                             const at::Tensor& residual,
+                                                             const at::Tensor& weight, double eps);
 
 // Gated RMSNorm of the GDN output, over the last dim:
 // (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math, result in `out_dtype`.

@@ -14,31 +14,16 @@
 #include "absl/strings/match.h"
 #include "ops/cross_entropy.h"
 #include "ops/gdr_core.h"
-#include "ops/rms_norm.h"
 
 namespace gdr {
 
-namespace {
-
 // Note [Residual add in the norm]: the pre-norm residual stream h + f(h) followed by the
-// next norm is one fused op (ops/rms_norm.h: add_zero_centered_rms_norm_fused) where the
-// norm takes the fused CUDA kernels: one kernel each way instead of the add, the norm and
-// autograd's add of the sum's two gradients, with the same bits (the GPU tests compare
-// the model's logits and gradients with GDR_ADD_RMS_NORM=composite bit for bit).
-// Returns (norm(x + residual), x + residual).
-std::pair<at::Tensor, at::Tensor> add_then_norm(ZeroCenteredRMSNormImpl& norm, const at::Tensor& x,
-                                                const at::Tensor& residual, double eps) {
-  if (add_rms_norm_impl() == AddRmsNormImpl::kFused && rms_norm_impl() == RmsNormImpl::kFused &&
-      rms_norm_fused_supports(x) && norm.weight.scalar_type() != at::kDouble &&
-      residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes()) {
-    auto [normed, sum] = add_zero_centered_rms_norm_fused(x, residual, norm.weight, eps);
-    return {normed, sum};
-  }
-  at::Tensor sum = x + residual;
-  return {norm.forward(sum), sum};
-}
-
-}  // namespace
+// next norm is one op (add_zero_centered_rms_norm in layers.h): with the fused norm, the
+// forward's add runs inside the norm kernel and the backward's add of the sum's two
+// gradients inside or right after the norm's backward kernel, instead of separate ATen
+// adds; the same bits (the GPU tests compare the model's loss and gradients with
+// GDR_ADD_RMS_NORM=composite bit for bit). The decoder loop hands each layer's MLP output
+// to the next layer's input norm un-added (DecoderLayerImpl::forward_pending).
 
 DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index)
     : rms_norm_eps_(c.rms_norm_eps) {
@@ -63,13 +48,15 @@ std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(const at::Te
                                                                     const at::Tensor& pending) {
   at::Tensor normed, h;
   if (pending.defined()) {
-    std::tie(normed, h) = add_then_norm(*input_layernorm, hidden, pending, rms_norm_eps_);
+    std::tie(normed, h) =
+        add_zero_centered_rms_norm(hidden, pending, input_layernorm->weight, rms_norm_eps_);
   } else {
     normed = input_layernorm(hidden);
     h = hidden;
   }
   const at::Tensor mixed = linear_attn ? linear_attn(normed) : self_attn(normed);
-  auto [normed2, h2] = add_then_norm(*post_attention_layernorm, h, mixed, rms_norm_eps_);
+  auto [normed2, h2] =
+      add_zero_centered_rms_norm(h, mixed, post_attention_layernorm->weight, rms_norm_eps_);
   return {h2, mlp(normed2)};
 }
 
@@ -94,7 +81,7 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
     std::tie(h, pending) = layer->as<DecoderLayer>()->forward_pending(h, pending);
   }
   if (!pending.defined()) return norm(h);
-  return add_then_norm(*norm, h, pending, rms_norm_eps_).first;
+  return add_zero_centered_rms_norm(h, pending, norm->weight, rms_norm_eps_).first;
 }
 
 namespace {
