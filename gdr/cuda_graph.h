@@ -43,8 +43,15 @@ class CapturedWork {
 // the graph's private memory pool and keep their addresses across replays; hold a
 // reference to each one read after a replay. Throws (c10::Error) when the body does
 // something capture forbids (a host sync, a pageable copy).
-using CudaGraphCapture =
-    std::unique_ptr<CapturedWork> (*)(const std::function<void(CapturedWork&)>& body);
+//
+// `share_memory_with` (null: a pool of its own) names an earlier capture whose memory
+// pool this one allocates from: the memory the earlier body freed (its temporaries) is
+// reused, while the tensors it still holds keep theirs. Safe while the graphs sharing a
+// pool are never replayed concurrently (they run on one stream); the trainer's
+// per-position microbatch graphs (Note [Microbatch graphs] in gdr/trainer.cc) share one
+// pool so that only one microbatch's activations take memory.
+using CudaGraphCapture = std::unique_ptr<CapturedWork> (*)(
+    const std::function<void(CapturedWork&)>& body, const CapturedWork* share_memory_with);
 
 // Called once by a static initializer in gdr/cuda_graph_cuda.cc.
 void register_cuda_graph_capture(CudaGraphCapture capture);

@@ -47,7 +47,8 @@ constexpr cuuint32_t kMarkSet = 0x01010101;
 
 class CudaGraphWork final : public CapturedWork {
  public:
-  void capture(const std::function<void(CapturedWork&)>& body) {
+  void capture(const std::function<void(CapturedWork&)>& body,
+               const CudaGraphWork* share_memory_with) {
     // Capture needs a stream other than the legacy default one; the side stream first
     // waits for everything already queued on the caller's stream (the body's inputs).
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
@@ -58,7 +59,10 @@ class CudaGraphWork final : public CapturedWork {
     inputs_ready.block(side);
     {
       c10::cuda::CUDAStreamGuard on_side(side);
-      graph_.capture_begin();
+      // {0, 0} asks CUDAGraph for a new private pool.
+      graph_.capture_begin(share_memory_with != nullptr ? share_memory_with->pool_
+                                                        : at::cuda::MempoolId_t{0, 0});
+      pool_ = graph_.pool();
       try {
         body(*this);
       } catch (...) {
@@ -138,7 +142,8 @@ class CudaGraphWork final : public CapturedWork {
 
  private:
   at::cuda::CUDAGraph graph_;
-  at::Tensor flags_;  // int32 [kMaxMarks]: flag i is mark i's
+  at::cuda::MempoolId_t pool_{0, 0};  // graph_'s memory pool, for later captures to share
+  at::Tensor flags_;                  // int32 [kMaxMarks]: flag i is mark i's
   size_t marks_ = 0;
   at::cuda::CUDAEvent flags_cleared_;
   bool side_waits_for_clear_ = false;
@@ -146,9 +151,12 @@ class CudaGraphWork final : public CapturedWork {
   std::optional<c10::cuda::CUDAStream> side_;
 };
 
-std::unique_ptr<CapturedWork> capture_cuda_graph(const std::function<void(CapturedWork&)>& body) {
+std::unique_ptr<CapturedWork> capture_cuda_graph(const std::function<void(CapturedWork&)>& body,
+                                                 const CapturedWork* share_memory_with) {
+  // Every CapturedWork in a CUDA binary is a CudaGraphWork (this file registers the only
+  // capture), so the downcast cannot pick another type.
   auto work = std::make_unique<CudaGraphWork>();
-  work->capture(body);
+  work->capture(body, static_cast<const CudaGraphWork*>(share_memory_with));
   return work;
 }
 

@@ -349,11 +349,22 @@ void PairwiseSum::add(std::vector<at::Tensor> leaf) {
   if (deferred_.size() == kDeferredLeaves) collapse_deferred();
 }
 
-void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
-  at::NoGradGuard no_grad;
+void PairwiseSum::allocate_sums_like(const std::vector<at::Tensor>& leaf) {
   // The sum's FP32 buffer, tiled in order (Note [Two-rank all-reduce]): the sums come out
   // as views of one buffer.
   if (stack_.empty() && deferred_.empty() && sums_.empty()) sums_ = tiled_like(leaf, at::kFloat);
+}
+
+void PairwiseSum::add_kept(const std::vector<at::Tensor>& leaf) {
+  at::NoGradGuard no_grad;
+  allocate_sums_like(leaf);
+  deferred_.push_back(leaf);
+  if (deferred_.size() == kDeferredLeaves) collapse_deferred();
+}
+
+void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
+  at::NoGradGuard no_grad;
+  allocate_sums_like(leaf);
   const at::ScalarType dtype = leaf.empty() ? at::kFloat : leaf[0].scalar_type();
   bool one_dtype = true;
   for (const at::Tensor& t : leaf) one_dtype = one_dtype && t.scalar_type() == dtype;

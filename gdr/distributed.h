@@ -186,6 +186,12 @@ class PairwiseSum {
   // in FP32, so the bits are those of add() of the leaf widened to FP32. The sums of a
   // PairwiseSum fed by add_copy_of come out as views of one FP32 buffer, in order.
   void add_copy_of(const std::vector<at::Tensor>& leaf);
+  // add() of a leaf the caller keeps and leaves unchanged until its deferred group is
+  // summed: at the add() that completes the group of kDeferredLeaves (leaves
+  // kDeferredLeaves * j .. kDeferredLeaves * j + kDeferredLeaves - 1 in add order), else
+  // at finish() / finish_with_last(). No copy; the sums come out as add_copy_of's do, views
+  // of one FP32 buffer (the trainer's per-position graphs, Note [Microbatch graphs]).
+  void add_kept(const std::vector<at::Tensor>& leaf);
   // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
   // add() of that leaf and then finish() would make for index i, in the same order (so the
   // same bits), done for this index alone (Note [Overlapped gradient reduction]) in one
@@ -197,6 +203,7 @@ class PairwiseSum {
 
  private:
   void merge_equal_levels();
+  void allocate_sums_like(const std::vector<at::Tensor>& leaf);
   void collapse_deferred();
   // Where tensor i of the sum goes: the oldest FP32 partial sum, else the buffer
   // add_copy_of allocated, else the oldest deferred leaf when it is FP32, else a new tensor.

@@ -3,6 +3,7 @@
 // reaching it; marks are refused outside a capture; a capture that sets no marks refuses
 // a wait for one.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 
@@ -38,13 +39,15 @@ TEST(CudaGraphMarks, SideWorkAfterAMarkSeesTheReplaysWritesBeforeIt) {
   at::Tensor scratch = at::eye(2048, f32);
   at::mm(scratch, scratch);  // cuBLAS creates its handle outside the capture
   size_t before_copy = 0, after_copy = 0;
-  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork& w) {
-    before_copy = w.mark();
-    slow_work(scratch);
-    written.copy_(input);
-    after_copy = w.mark();
-    slow_work(scratch);
-  });
+  std::unique_ptr<CapturedWork> work = capture(
+      [&](CapturedWork& w) {
+        before_copy = w.mark();
+        slow_work(scratch);
+        written.copy_(input);
+        after_copy = w.mark();
+        slow_work(scratch);
+      },
+      /*share_memory_with=*/nullptr);
   EXPECT_EQ(before_copy, 0u);
   EXPECT_EQ(after_copy, 1u);
   for (int replay = 1; replay <= 5; ++replay) {
@@ -66,7 +69,7 @@ TEST(CudaGraphMarks, MarkOutsideACaptureIsRefused) {
   CudaGraphCapture capture = capture_or_die();
   ASSERT_NE(capture, nullptr);
   at::Tensor x = at::zeros({16}, at::TensorOptions().device(at::kCUDA));
-  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork&) { x.add_(1); });
+  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork&) { x.add_(1); }, nullptr);
   const std::string outside = error_of([&] { work->mark(); });
   EXPECT_NE(outside.find("CapturedWork::mark: expected to be called inside the capture body"),
             std::string::npos)
@@ -83,10 +86,12 @@ TEST(CudaGraphMarks, ReplayBeforeJoiningTheSideStreamIsRefused) {
   ASSERT_NE(capture, nullptr);
   at::Tensor x = at::zeros({16}, at::TensorOptions().device(at::kCUDA));
   size_t after_add = 0;
-  std::unique_ptr<CapturedWork> work = capture([&](CapturedWork& w) {
-    x.add_(1);
-    after_add = w.mark();
-  });
+  std::unique_ptr<CapturedWork> work = capture(
+      [&](CapturedWork& w) {
+        x.add_(1);
+        after_add = w.mark();
+      },
+      nullptr);
   work->replay();
   work->on_side_stream_after(after_add, [] {});
   const std::string unjoined = error_of([&] { work->replay(); });
@@ -96,6 +101,47 @@ TEST(CudaGraphMarks, ReplayBeforeJoiningTheSideStreamIsRefused) {
   work->replay();
   work->join_side_stream();
   EXPECT_TRUE(at::equal(x, at::full_like(x, 2.0f))) << "two replays of x += 1";
+}
+
+// Note [Microbatch graphs]' per-position graphs: captures sharing one memory pool reuse
+// each other's temporaries but never an output one of them still holds, so each graph's
+// outputs survive the others' replays; and the second capture takes (almost) no new
+// memory for temporaries the first one freed.
+TEST(CudaGraphPools, CapturesSharingAPoolKeepEachOthersOutputs) {
+  CudaGraphCapture capture = capture_or_die();
+  ASSERT_NE(capture, nullptr);
+  const at::TensorOptions f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  constexpr int64_t kElements = int64_t{1} << 22;  // 16 MiB per tensor
+  at::Tensor input = at::zeros({kElements}, f32);
+  at::Tensor out_first, out_second;
+  // Temporaries (freed inside the body) and an output held after it.
+  auto body = [&](at::Tensor& out, double scale) {
+    return [&out, &input, scale](CapturedWork&) {
+      at::Tensor temporary = input * scale;
+      at::Tensor other = temporary + 1.0;
+      out = other * 2.0;
+    };
+  };
+  std::unique_ptr<CapturedWork> first = capture(body(out_first, 3.0), nullptr);
+  const int64_t reserved_after_first = static_cast<int64_t>(
+      c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].current);
+  std::unique_ptr<CapturedWork> second = capture(body(out_second, 5.0), first.get());
+  const int64_t reserved_after_second = static_cast<int64_t>(
+      c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].current);
+  // The second capture needs one new 16 MiB block for its output; its two temporaries fit
+  // in what the first one freed. A pool of its own would take three.
+  EXPECT_LE(reserved_after_second - reserved_after_first, 2 * kElements * 4)
+      << "the second capture did not reuse the first one's freed temporaries";
+  EXPECT_NE(out_first.data_ptr(), out_second.data_ptr());
+  for (int round = 1; round <= 3; ++round) {
+    input.fill_(static_cast<float>(round));
+    first->replay();
+    second->replay();
+    EXPECT_TRUE(at::equal(out_first, at::full_like(out_first, (3.0 * round + 1.0) * 2.0)))
+        << "round " << round << ": the second graph's replay overwrote the first's output";
+    EXPECT_TRUE(at::equal(out_second, at::full_like(out_second, (5.0 * round + 1.0) * 2.0)))
+        << "round " << round;
+  }
 }
 
 }  // namespace

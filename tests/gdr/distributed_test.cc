@@ -121,6 +121,47 @@ TEST(PairwiseSumTest, AddCopyOfEqualsAddOfACopy) {
   }
 }
 
+// add_kept(leaf) is add() of the leaf, for 1..11 BF16 leaves held in kDeferredLeaves
+// rotating buffers as the trainer's per-position graphs hold them (Note [Microbatch
+// graphs]): a buffer is rewritten for leaf k + kDeferredLeaves right after leaf k's group
+// is summed, and poisoned as soon as the tree is done with it, which changes nothing; the
+// sums tile one FP32 buffer in order.
+TEST(PairwiseSumTest, AddKeptReadsEachLeafBeforeItsBufferIsReused) {
+  constexpr size_t kSlots = PairwiseSum::kDeferredLeaves;
+  for (int n = 1; n <= 11; ++n) {
+    at::manual_seed(100 + n);
+    PairwiseSum owned, kept;
+    std::vector<std::vector<at::Tensor>> buffers;
+    for (size_t b = 0; b < kSlots; ++b) {
+      buffers.push_back({at::empty({5}, at::kBFloat16), at::empty({2, 3}, at::kBFloat16)});
+    }
+    for (int k = 0; k < n; ++k) {
+      const std::vector<at::Tensor> leaf = {(at::randn({5}) * 1e4).to(at::kBFloat16),
+                                            at::randn({2, 3}).to(at::kBFloat16)};
+      owned.add({leaf[0].to(at::kFloat), leaf[1].to(at::kFloat)});
+      std::vector<at::Tensor>& slot = buffers[static_cast<size_t>(k) % kSlots];
+      for (size_t i = 0; i < leaf.size(); ++i) slot[i].copy_(leaf[i]);
+      kept.add_kept(slot);
+      if (static_cast<size_t>(k) % kSlots == kSlots - 1) {  // the group was summed
+        for (std::vector<at::Tensor>& b : buffers) {
+          for (at::Tensor& t : b) t.fill_(std::nanf(""));
+        }
+      }
+    }
+    const std::vector<at::Tensor> want = owned.finish(), got = kept.finish();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(got[i], want[i])) << n << " leaves, index " << i;
+    }
+    if (n >= 2) {
+      EXPECT_EQ(static_cast<const float*>(got[1].data_ptr()),
+                static_cast<const float*>(got[0].data_ptr()) + got[0].numel())
+          << n << " leaves: the sums tile one buffer";
+    }
+  }
+}
+
 // A BF16 leaf (what a graphed bf16 microbatch hands over): add_copy_of and
 // finish_with_last give the bits of the same leaf widened to FP32 first, and FP32 sums.
 TEST(PairwiseSumTest, SixteenBitLeavesEqualTheirWidenedCopies) {

@@ -58,30 +58,39 @@ TEST_P(TrainerGpuTest, TwoRunsOfThreeStepsAreByteIdentical) {
   EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
 }
 
-// Note [Microbatch graphs]: replaying the captured microbatch gives the bits of running it
-// eagerly. Step 1's first microbatch warms up eagerly and its second is the capture's
-// first replay; every later microbatch is a replay.
+// Note [Microbatch graphs]: replaying the captured microbatches gives the bits of running
+// them eagerly. Step 1's first microbatch warms up eagerly; each position k mod 4 has a
+// graph of its own, captured at its first use and replayed at every later one. With 6
+// microbatches positions 4 and 5 replay graphs 0 and 1 again after the tree summed the
+// first group of four, and the last position's graph (1) carries the marks.
 TEST_P(TrainerGpuTest, CudaGraphRunEqualsEagerRunByteForByte) {
-  RunConfig graphed_config = config();
-  ASSERT_TRUE(graphed_config.train.cuda_graphs) << "graphs are the default";
-  RunConfig eager_config = config();
-  eager_config.train.cuda_graphs = false;
-  std::unique_ptr<Trainer> graphed = make_trainer(graphed_config);
-  std::unique_ptr<Trainer> eager = make_trainer(eager_config);
-  const int64_t accum = graphed_config.train.grad_accum;
-  ASSERT_GE(accum, 2);
-  for (int i = 0; i < 3; ++i) {
-    const absl::StatusOr<StepStats> sg = graphed->train_step();
-    const absl::StatusOr<StepStats> se = eager->train_step();
-    ASSERT_TRUE(sg.ok()) << sg.status();
-    ASSERT_TRUE(se.ok()) << se.status();
-    EXPECT_EQ(sg->graph_replays, i == 0 ? accum - 1 : accum) << "step " << i + 1;
-    EXPECT_EQ(se->graph_replays, 0) << "step " << i + 1;
-    EXPECT_EQ(sg->microbatch_losses, se->microbatch_losses) << "step " << i + 1;
-    EXPECT_EQ(sg->grad_norm, se->grad_norm) << "step " << i + 1;
+  for (const int64_t accum : {int64_t{0}, int64_t{6}}) {
+    RunConfig graphed_config = config();
+    if (accum > 0) graphed_config.train.grad_accum = accum;
+    ASSERT_TRUE(graphed_config.train.cuda_graphs) << "graphs are the default";
+    RunConfig eager_config = graphed_config;
+    eager_config.train.cuda_graphs = false;
+    std::unique_ptr<Trainer> graphed = make_trainer(graphed_config);
+    std::unique_ptr<Trainer> eager = make_trainer(eager_config);
+    const int64_t microbatches = graphed_config.train.grad_accum;
+    ASSERT_GE(microbatches, 2);
+    for (int i = 0; i < 3; ++i) {
+      const absl::StatusOr<StepStats> sg = graphed->train_step();
+      const absl::StatusOr<StepStats> se = eager->train_step();
+      ASSERT_TRUE(sg.ok()) << sg.status();
+      ASSERT_TRUE(se.ok()) << se.status();
+      EXPECT_EQ(sg->graph_replays, i == 0 ? microbatches - 1 : microbatches)
+          << microbatches << " microbatches, step " << i + 1;
+      EXPECT_EQ(se->graph_replays, 0) << "step " << i + 1;
+      EXPECT_EQ(sg->microbatch_losses, se->microbatch_losses)
+          << microbatches << " microbatches, step " << i + 1;
+      EXPECT_EQ(sg->grad_norm, se->grad_norm) << microbatches << " microbatches, step " << i + 1;
+    }
+    EXPECT_TRUE(bytes_equal(graphed->master_parameters(), eager->master_parameters()))
+        << microbatches << " microbatches";
+    EXPECT_TRUE(bytes_equal(graphed->optimizer_tensors(), eager->optimizer_tensors()))
+        << microbatches << " microbatches";
   }
-  EXPECT_TRUE(bytes_equal(graphed->master_parameters(), eager->master_parameters()));
-  EXPECT_TRUE(bytes_equal(graphed->optimizer_tensors(), eager->optimizer_tensors()));
 }
 
 TEST_P(TrainerGpuTest, ResumeFromStepOneEqualsTheUninterruptedRunAtStepThree) {

@@ -205,14 +205,16 @@ TEST_P(TiedChainGpu, CudaGraphReplayGivesTheEagerBits) {
   const TiedChainResult eager = run_tied_chain(true, c.ids, c.weight, c.probe);
   at::Tensor w = c.weight.detach().clone().requires_grad_(true);
   at::Tensor logits, grad_weight;
-  const std::unique_ptr<CapturedWork> work = capture([&](CapturedWork&) {
-    const TiedEmbeddingStatePtr state = make_tied_embedding_state();
-    const at::Tensor h = tied_embedding_lookup(c.ids, w, state);
-    const at::Tensor hidden = h + at::silu(h) * 0.5;
-    logits = tied_lm_head(hidden, w, state);
-    (logits * c.probe).sum().backward();
-    grad_weight = w.grad();
-  });
+  const std::unique_ptr<CapturedWork> work = capture(
+      [&](CapturedWork&) {
+        const TiedEmbeddingStatePtr state = make_tied_embedding_state();
+        const at::Tensor h = tied_embedding_lookup(c.ids, w, state);
+        const at::Tensor hidden = h + at::silu(h) * 0.5;
+        logits = tied_lm_head(hidden, w, state);
+        (logits * c.probe).sum().backward();
+        grad_weight = w.grad();
+      },
+      /*share_memory_with=*/nullptr);
   ASSERT_TRUE(grad_weight.defined());
   for (int replay = 0; replay < 3; ++replay) {
     grad_weight.zero_();
