@@ -45,11 +45,14 @@ class CapturedWork {
 // something capture forbids (a host sync, a pageable copy).
 //
 // `share_memory_with` (null: a pool of its own) names an earlier capture whose memory
-// pool this one allocates from: the memory the earlier body freed (its temporaries) is
-// reused, while the tensors it still holds keep theirs. Safe while the graphs sharing a
-// pool are never replayed concurrently (they run on one stream); the trainer's
-// per-position microbatch graphs (Note [Microbatch graphs] in gdr/trainer.cc) share one
-// pool so that only one microbatch's activations take memory.
+// pool this one allocates from, on the same capture stream: the memory the earlier body
+// freed (its temporaries) is reused, while the tensors it still holds keep theirs. The
+// price: a tensor this capture holds on to (an output) may lie in memory the earlier
+// graph uses for temporaries, so replaying the earlier graph overwrites it. Graphs sharing
+// a pool must replay in the order they were captured, never concurrently, and a later
+// graph's outputs must be read before an earlier graph replays again (PyTorch's rule for
+// shared graph pools). The trainer's per-position microbatch graphs (Note [Microbatch
+// graphs] in gdr/trainer.cc) share one pool so that one microbatch's activations take memory.
 using CudaGraphCapture = std::unique_ptr<CapturedWork> (*)(
     const std::function<void(CapturedWork&)>& body, const CapturedWork* share_memory_with);
 

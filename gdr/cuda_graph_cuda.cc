@@ -53,7 +53,15 @@ class CudaGraphWork final : public CapturedWork {
     // waits for everything already queued on the caller's stream (the body's inputs).
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
     flags_ = at::zeros({kMaxMarks}, at::TensorOptions().device(at::kCUDA).dtype(at::kInt));
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    // Captures sharing a pool capture on one stream: the caching allocator hands a freed
+    // block only to allocations on the stream it was freed on, so a capture on another
+    // stream would take new memory instead of the earlier capture's temporaries.
+    if (share_memory_with != nullptr) {
+      capture_stream_ = share_memory_with->capture_stream_;
+    } else {
+      capture_stream_ = c10::cuda::getStreamFromPool();
+    }
+    const c10::cuda::CUDAStream side = *capture_stream_;
     at::cuda::CUDAEvent inputs_ready;
     inputs_ready.record(caller);
     inputs_ready.block(side);
@@ -62,7 +70,6 @@ class CudaGraphWork final : public CapturedWork {
       // {0, 0} asks CUDAGraph for a new private pool.
       graph_.capture_begin(share_memory_with != nullptr ? share_memory_with->pool_
                                                         : at::cuda::MempoolId_t{0, 0});
-      pool_ = graph_.pool();
       try {
         body(*this);
       } catch (...) {
@@ -75,6 +82,7 @@ class CudaGraphWork final : public CapturedWork {
         throw;
       }
       graph_.capture_end();
+      pool_ = graph_.pool();  // CUDAGraph gives it out only once the capture has ended
     }
     at::cuda::CUDAEvent captured;
     captured.record(side);
@@ -143,7 +151,8 @@ class CudaGraphWork final : public CapturedWork {
  private:
   at::cuda::CUDAGraph graph_;
   at::cuda::MempoolId_t pool_{0, 0};  // graph_'s memory pool, for later captures to share
-  at::Tensor flags_;                  // int32 [kMaxMarks]: flag i is mark i's
+  std::optional<c10::cuda::CUDAStream> capture_stream_;  // the stream it was captured on
+  at::Tensor flags_;                                     // int32 [kMaxMarks]: flag i is mark i's
   size_t marks_ = 0;
   at::cuda::CUDAEvent flags_cleared_;
   bool side_waits_for_clear_ = false;

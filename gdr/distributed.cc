@@ -250,13 +250,13 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::strin
 // microbatches of the 0.8B model that is about 3 x 3.2 GB per add, and an FP32 += BF16 add
 // runs ATen's casting (unrolled) elementwise path at about half the bandwidth (H200 step
 // profile, docs/benchmarks.md). So PairwiseSum keeps the newest leaves as they come (up
-// to kDeferredLeaves - 1 of them; add_copy_of keeps a copy in the leaf's own dtype, half
-// the bytes of an FP32 copy for BF16) and evaluates the binary-counter tree over the FP32
-// partial sums, the deferred leaves and the last leaf in one pass per tensor
+// to kDeferredLeaves - 1 of them, in their own dtype: half the bytes of FP32 for BF16) and
+// evaluates the binary-counter tree over the FP32 partial sums, the deferred leaves and
+// the last leaf in one pass per tensor
 // (pairwise_tree_sum_out, ops/tree_sum.h): each input read once, the sum written once. A
 // full group of kDeferredLeaves leaves (a power of two, and always starting at a multiple
 // of it, so a complete subtree that the counter merges into one node before anything
-// else touches it) is summed into one FP32 partial sum, which bounds the copies kept.
+// else touches it) is summed into one FP32 partial sum, which bounds the leaves kept.
 // Every merge is still one FP32 add in the tree's order, so the bits are those of the
 // leaf-by-leaf evaluation (tests/gdr/distributed_test.cc checks both against at::add).
 static_assert((PairwiseSum::kDeferredLeaves & (PairwiseSum::kDeferredLeaves - 1)) == 0,
@@ -362,23 +362,6 @@ void PairwiseSum::add_kept(const std::vector<at::Tensor>& leaf) {
   if (deferred_.size() == kDeferredLeaves) collapse_deferred();
 }
 
-void PairwiseSum::add_copy_of(const std::vector<at::Tensor>& leaf) {
-  at::NoGradGuard no_grad;
-  allocate_sums_like(leaf);
-  const at::ScalarType dtype = leaf.empty() ? at::kFloat : leaf[0].scalar_type();
-  bool one_dtype = true;
-  for (const at::Tensor& t : leaf) one_dtype = one_dtype && t.scalar_type() == dtype;
-  std::vector<at::Tensor> copy;
-  if (one_dtype) {
-    copy = tiled_like(leaf, dtype);
-  } else {
-    for (const at::Tensor& t : leaf) copy.push_back(at::empty_like(t));
-  }
-  at::_foreach_copy_(copy, leaf);
-  deferred_.push_back(std::move(copy));
-  if (deferred_.size() == kDeferredLeaves) collapse_deferred();
-}
-
 at::Tensor PairwiseSum::finish_with_last(size_t i, at::Tensor last) {
   at::NoGradGuard no_grad;
   return sum_of_index(i, last);
@@ -449,7 +432,7 @@ absl::Status reduction_failed(int rank, int world, const std::exception& e) {
 }
 
 // A 1-D view of exactly `tensors` when they are contiguous views that follow each other in
-// one storage (as PairwiseSum::add_copy_of's copies do); undefined otherwise.
+// one storage (as PairwiseSum::add_kept's sums do); undefined otherwise.
 at::Tensor consecutive_range(const std::vector<at::Tensor>& tensors) {
   if (tensors.empty()) return {};
   const c10::Storage& storage = tensors[0].storage();
@@ -542,7 +525,7 @@ absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors
       // one correctly rounded add, so the result has the bits of the rank-order tree below
       // (a NaN's payload aside), and ranks and reruns agree. It moves the same bytes as the
       // all-gather but needs no copies, no sum pass and no host wait per bucket: one
-      // collective over the flat buffer the gradients tile (PairwiseSum::add_copy_of makes
+      // collective over the flat buffer the gradients tile (PairwiseSum::add_kept makes
       // them so), else over a concatenated copy.
       auto [work, copy_back] = start_all_reduce(backend(), tensors);
       work->wait();

@@ -180,17 +180,14 @@ class PairwiseSum {
 
   // Takes ownership of the tensors (they may become the sum's storage).
   void add(std::vector<at::Tensor> leaf);
-  // add() of a leaf the caller keeps and may overwrite afterwards (a CUDA graph's output
-  // buffers, Note [Microbatch graphs]): the leaf is copied in its own dtype, its tensors
-  // tiling one buffer. The leaf may be BF16/FP16: widening is exact and every merge adds
-  // in FP32, so the bits are those of add() of the leaf widened to FP32. The sums of a
-  // PairwiseSum fed by add_copy_of come out as views of one FP32 buffer, in order.
-  void add_copy_of(const std::vector<at::Tensor>& leaf);
   // add() of a leaf the caller keeps and leaves unchanged until its deferred group is
-  // summed: at the add() that completes the group of kDeferredLeaves (leaves
+  // summed: at the add that completes the group of kDeferredLeaves (leaves
   // kDeferredLeaves * j .. kDeferredLeaves * j + kDeferredLeaves - 1 in add order), else
-  // at finish() / finish_with_last(). No copy; the sums come out as add_copy_of's do, views
-  // of one FP32 buffer (the trainer's per-position graphs, Note [Microbatch graphs]).
+  // at finish() / finish_with_last() (the trainer's per-position graph leaves, Note
+  // [Microbatch graphs]). No copy. The leaf may be BF16/FP16: widening is exact and every
+  // merge adds in FP32, so the bits are those of add() of the leaf widened to FP32. The
+  // sums of a PairwiseSum fed by add_kept come out as views of one FP32 buffer, in order
+  // (Note [Two-rank all-reduce]).
   void add_kept(const std::vector<at::Tensor>& leaf);
   // Tensor i of the sum, with `last` as tensor i of one more leaf: exactly the adds that
   // add() of that leaf and then finish() would make for index i, in the same order (so the
@@ -206,14 +203,14 @@ class PairwiseSum {
   void allocate_sums_like(const std::vector<at::Tensor>& leaf);
   void collapse_deferred();
   // Where tensor i of the sum goes: the oldest FP32 partial sum, else the buffer
-  // add_copy_of allocated, else the oldest deferred leaf when it is FP32, else a new tensor.
+  // add_kept allocated, else the oldest deferred leaf when it is FP32, else a new tensor.
   at::Tensor destination(size_t i, const at::Tensor& like) const;
   // Tensor i of the sum of stack_, deferred_ and (when defined) `last`, in one pass.
   at::Tensor sum_of_index(size_t i, const at::Tensor& last) const;
 
   std::vector<std::pair<int64_t, std::vector<at::Tensor>>> stack_;  // (leaves, FP32 partial sum)
   std::vector<std::vector<at::Tensor>> deferred_;  // single leaves after stack_, in order
-  std::vector<at::Tensor> sums_;                   // add_copy_of's FP32 output buffer (views)
+  std::vector<at::Tensor> sums_;                   // add_kept's FP32 output buffer (views)
 };
 
 // Start-up agreement, every rank calling with its own value: OK when all ranks' values are

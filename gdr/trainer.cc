@@ -141,17 +141,24 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
 // when it is complete, at position k = 4j + 3, or at the step's end; the next replay of
 // graph k mod 4 comes after that on the same stream, so a leaf is read before it is
 // overwritten. With a single graph every leaf had to be copied out before the next replay
-// (PairwiseSum::add_copy_of): 3 of the 4 leaves per 0.8B step, 3.1 ms of 191. Graph k is
-// captured the first time position k is reached (step 1 for k >= 1 after the eager warm-up
-// microbatch, step 2 for k = 0); the last position's graph carries the marks.
+// (PairwiseSum's former add_copy_of): 3 of the 4 leaves per 0.8B step, 3.1 ms of 191.
+// All the position graphs are captured together, in position order, at the first graphed
+// microbatch (step 1's second, after the eager warm-up one), because a shared pool is only
+// safe when graphs replay in the order they were captured: a later capture may place its
+// leaf in memory an earlier graph uses for temporaries (its freed activations, or a cuBLAS
+// workspace), so graph j < i must not replay between graph i's replay and the tree's read
+// of leaf i. In position order it never does: the replay after graph i that reaches a
+// lower position starts the next group, and the tree has summed leaf i's group before it.
+// (Capturing graph 0 last, at step 2, put leaf 0 into graph 1's activations: NaN gradients
+// on the H200.) The last position's graph carries the marks.
 struct MicrobatchGraph {
   at::Tensor ids;   // the graph's input: [batch, window] token ids
   at::Tensor loss;  // its outputs, overwritten by every replay
   // The microbatch's gradient leaf (Note [Gradient reduction tree]): the parameters'
   // gradients as backward left them (BF16 for bf16 training), in params order.
-  // PairwiseSum::add_copy_of and finish_with_last widen them as they copy or add them
-  // (one pass over the gradients instead of a widening copy and then an add; the bits of
-  // the eager path's grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
+  // PairwiseSum::add_kept and finish_with_last widen them as they add them (one pass over
+  // the gradients instead of a widening copy and then an add; the bits of the eager path's
+  // grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
   // tried first: ~300 launches per replay filled the stream's launch queue.
   std::vector<at::Tensor> leaf;
   // Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
@@ -494,16 +501,20 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
     stats.tokens += batch * (window - 1);
     if (!hand_over && m.graph_capture != nullptr && m.eager_microbatches > 0) {
       // Note [Microbatch graphs]
-      const size_t slot = k % PairwiseSum::kDeferredLeaves;
-      const size_t last_slot = (mine.size() - 1) % PairwiseSum::kDeferredLeaves;
-      if (m.graphs.size() < PairwiseSum::kDeferredLeaves) {
-        m.graphs.resize(PairwiseSum::kDeferredLeaves);
-      }
-      if (m.graphs[slot] == nullptr) {
-        if (absl::Status s = m.capture_microbatch(slot, ids, world * accum,
-                                                  overlap_graphed && slot == last_slot);
-            !s.ok()) {
-          return absl::InternalError(absl::StrCat("step ", stats.step, ": ", s.message()));
+      const size_t slots = std::min(mine.size(), PairwiseSum::kDeferredLeaves);
+      const size_t slot = k % slots;
+      if (m.graphs.empty()) {
+        // All positions at once, in position order: the order every step replays them in
+        // (Note [Microbatch graphs]).
+        m.graphs.resize(slots);
+        const size_t last_slot = (mine.size() - 1) % slots;
+        for (size_t s = 0; s < slots; ++s) {
+          if (absl::Status status =
+                  m.capture_microbatch(s, ids, world * accum, overlap_graphed && s == last_slot);
+              !status.ok()) {
+            m.graphs.clear();
+            return absl::InternalError(absl::StrCat("step ", stats.step, ": ", status.message()));
+          }
         }
       }
       MicrobatchGraph& g = *m.graphs[slot];
@@ -518,8 +529,8 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
           g.work->on_side_stream_after(g.range_marks[r], [&] {
             std::vector<at::Tensor> range;
             for (size_t j : g.ranges[r]) {
-              // In place into the oldest partial sum, whose copies tile one buffer
-              // (PairwiseSum::add_copy_of), so a range is one slice of it.
+              // In place into the sum buffer, which the sums tile (PairwiseSum::add_kept),
+              // so a range is one slice of it.
               finished[j] = tree.finish_with_last(j, g.leaf[j]);
               range.insert(range.begin(), finished[j]);
             }

@@ -99,28 +99,6 @@ TEST(PairwiseSumTest, TwoHalvesCombinedEqualTheWhole) {
   EXPECT_TRUE(at::equal(outer.finish()[0], whole.finish()[0]));
 }
 
-// add_copy_of(leaf) is add() of a copy of the leaf, for 1..7 leaves, and the tree never
-// holds the caller's tensors: overwriting them after each call changes nothing.
-TEST(PairwiseSumTest, AddCopyOfEqualsAddOfACopy) {
-  for (int n = 1; n <= 7; ++n) {
-    at::manual_seed(n);
-    PairwiseSum owned, borrowed;
-    std::vector<at::Tensor> buffer = {at::empty({5}), at::empty({2, 3})};
-    for (int k = 0; k < n; ++k) {
-      const std::vector<at::Tensor> leaf = {at::randn({5}) * 1e4, at::randn({2, 3})};
-      owned.add({leaf[0].clone(), leaf[1].clone()});
-      for (size_t i = 0; i < leaf.size(); ++i) buffer[i].copy_(leaf[i]);
-      borrowed.add_copy_of(buffer);
-      for (at::Tensor& t : buffer) t.fill_(std::nanf(""));
-    }
-    const std::vector<at::Tensor> want = owned.finish(), got = borrowed.finish();
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_TRUE(at::equal(got[i], want[i])) << n << " leaves, index " << i;
-    }
-  }
-}
-
 // add_kept(leaf) is add() of the leaf, for 1..11 BF16 leaves held in kDeferredLeaves
 // rotating buffers as the trainer's per-position graphs hold them (Note [Microbatch
 // graphs]): a buffer is rewritten for leaf k + kDeferredLeaves right after leaf k's group
@@ -162,7 +140,7 @@ TEST(PairwiseSumTest, AddKeptReadsEachLeafBeforeItsBufferIsReused) {
   }
 }
 
-// A BF16 leaf (what a graphed bf16 microbatch hands over): add_copy_of and
+// A BF16 leaf (what a graphed bf16 microbatch hands over): add_kept and
 // finish_with_last give the bits of the same leaf widened to FP32 first, and FP32 sums.
 TEST(PairwiseSumTest, SixteenBitLeavesEqualTheirWidenedCopies) {
   for (int n = 1; n <= 5; ++n) {
@@ -175,10 +153,10 @@ TEST(PairwiseSumTest, SixteenBitLeavesEqualTheirWidenedCopies) {
     PairwiseSum widened, narrow, widened_last, narrow_last;
     for (int k = 0; k < n; ++k) {
       widened.add({leaves[k][0].to(at::kFloat), leaves[k][1].to(at::kFloat)});
-      narrow.add_copy_of(leaves[k]);
+      narrow.add_kept(leaves[k]);
       if (k + 1 < n) {
         widened_last.add({leaves[k][0].to(at::kFloat), leaves[k][1].to(at::kFloat)});
-        narrow_last.add_copy_of(leaves[k]);
+        narrow_last.add_kept(leaves[k]);
       }
     }
     const std::vector<at::Tensor> want = widened.finish(), got = narrow.finish();
@@ -238,7 +216,7 @@ at::Tensor leaf_by_leaf(const std::vector<at::Tensor>& leaves) {
   return stack.back().second;
 }
 
-// 1 .. 19 leaves, FP32 through add() and BF16 through add_copy_of() and finish_with_last():
+// 1 .. 19 leaves, FP32 through add() and BF16 through add_kept() and finish_with_last():
 // the bits of the leaf-by-leaf tree, across several deferred groups (kDeferredLeaves = 4).
 // The values span 1e-3 .. 1e5, so a different tree or order would change low bits.
 TEST(PairwiseSumTest, DeferredEvaluationHasTheBitsOfTheLeafByLeafTree) {
@@ -252,8 +230,8 @@ TEST(PairwiseSumTest, DeferredEvaluationHasTheBitsOfTheLeafByLeafTree) {
     PairwiseSum owned, copied, with_last;
     for (int k = 0; k < n; ++k) {
       owned.add({fp32[k].clone()});
-      copied.add_copy_of({bf16[k]});
-      if (k + 1 < n) with_last.add_copy_of({bf16[k]});
+      copied.add_kept({bf16[k]});
+      if (k + 1 < n) with_last.add_kept({bf16[k]});
     }
     EXPECT_TRUE(at::equal(owned.finish()[0], leaf_by_leaf(fp32))) << n << " FP32 leaves";
     const at::Tensor want = leaf_by_leaf(bf16);
@@ -347,7 +325,7 @@ TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
 
 // Note [Two-rank all-reduce]: the one all-reduce gives the all-gather tree's bits, for
 // values where the order of an addition chain would show (1e8 + 1, signed zeros, huge and
-// tiny), whether the gradients tile one flat buffer (as PairwiseSum::add_copy_of leaves
+// tiny), whether the gradients tile one flat buffer (as PairwiseSum::add_kept leaves
 // them) or not, and the result lands in the caller's tensors.
 TEST(ProcessGroupTest, TwoRankAllReduceEqualsTheGatherTree) {
   std::vector<std::vector<at::Tensor>> fast(2), tree(2), tiled(2);
@@ -367,7 +345,7 @@ TEST(ProcessGroupTest, TwoRankAllReduceEqualsTheGatherTree) {
     ASSERT_TRUE(group.all_reduce_sum(b).ok());
     group.set_two_rank_all_reduce_for_testing(true);
     PairwiseSum one_leaf;
-    one_leaf.add_copy_of(make());
+    one_leaf.add_kept(make());
     std::vector<at::Tensor> c = one_leaf.finish();
     ASSERT_TRUE(group.all_reduce_sum(c).ok());
     fast[r] = a, tree[r] = b, tiled[r] = c;
