@@ -4,6 +4,7 @@
 #include "ops/gdr_core.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +15,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -98,39 +100,31 @@ at::Tensor initial_state_or_zeros(const std::optional<at::Tensor>& initial_state
 // transpose -> to) that costs a cast in the forward for 16-bit v, hands the model a
 // transposed (strided) o, and in the backward a cast, a zero fill of the whole padded
 // gradient and a strided copy into it (narrow's backward), then a contiguous() copy for
-// the batched matmuls. This one function does the same values in one copy each way:
-// forward, one cast-and-transpose copy into a contiguous o; backward, one copy of grad_o
-// (any layout and floating dtype) into the chunk layout, plus a zero fill of the padded
-// tail rows only (their gradient must be exactly zero: the state pass backward multiplies
-// them by zeros of P and Qd, and 0 * garbage could be NaN). Copies are exact, so the
-// numbers are those of the view chain.
+// the batched matmuls. This function does the same values in one pass each way
+// (gdr::chunks_to_tokens / gdr::tokens_to_chunks, on CUDA one kernel each,
+// kernels/chunk_layout.h): forward, one cast-and-transpose copy into a contiguous o;
+// backward, one copy of grad_o (any layout and floating dtype) into the chunk layout with
+// the padded tail rows zeroed (their gradient must be exactly zero: the state pass
+// backward multiplies them by zeros of P and Qd, and 0 * garbage could be NaN). Copies
+// are exact, so the numbers are those of the view chain.
 class ChunksToTokens : public torch::autograd::Function<ChunksToTokens> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& o_chunks,
                             int64_t tokens, at::ScalarType dtype) {
-    const int64_t B = o_chunks.size(0), H = o_chunks.size(1), N = o_chunks.size(2),
-                  C = o_chunks.size(3), dv = o_chunks.size(4);
-    at::Tensor o = at::empty({B, tokens, H, dv}, o_chunks.options().dtype(dtype));
-    o.copy_(o_chunks.reshape({B, H, N * C, dv}).narrow(2, 0, tokens).transpose(1, 2));
-    ctx->saved_data["chunks"] = N;
-    ctx->saved_data["chunk"] = C;
+    ctx->saved_data["chunks"] = o_chunks.size(2);
+    ctx->saved_data["chunk"] = o_chunks.size(3);
     ctx->saved_data["dtype"] = static_cast<int64_t>(o_chunks.scalar_type());
     ctx->set_materialize_grads(false);
-    return o;
+    return chunks_to_tokens(o_chunks, tokens, dtype);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    const int64_t B = grad.size(0), T = grad.size(1), H = grad.size(2), dv = grad.size(3);
     const int64_t N = ctx->saved_data["chunks"].toInt(), C = ctx->saved_data["chunk"].toInt();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    at::Tensor d = at::empty({B, H, N, C, dv}, grad.options().dtype(dtype));
-    at::Tensor rows = d.view({B, H, N * C, dv});
-    rows.narrow(2, 0, T).copy_(grad.transpose(1, 2));
-    if (N * C > T) rows.narrow(2, T, N * C - T).zero_();
-    return {d, at::Tensor(), at::Tensor()};
+    return {tokens_to_chunks(grad, N, C, dtype), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -454,6 +448,87 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_chunked(
   at::Tensor o = at::stack(outputs, /*dim=*/2).reshape({B, H, N * C, dv});
   o = o.narrow(2, 0, T).transpose(1, 2).to(v.scalar_type());  // [B, T, H, dv]
   return {o, output_final_state ? S : at::Tensor()};
+}
+
+namespace chunk_layout_internal {
+
+at::Tensor chunks_to_tokens_aten(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype) {
+  const int64_t B = o_chunks.size(0), H = o_chunks.size(1), N = o_chunks.size(2),
+                C = o_chunks.size(3), dv = o_chunks.size(4);
+  at::Tensor o = at::empty({B, tokens, H, dv}, o_chunks.options().dtype(dtype));
+  o.copy_(o_chunks.reshape({B, H, N * C, dv}).narrow(2, 0, tokens).transpose(1, 2));
+  return o;
+}
+
+at::Tensor tokens_to_chunks_aten(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                                 at::ScalarType dtype) {
+  const int64_t B = grad_o.size(0), T = grad_o.size(1), H = grad_o.size(2), dv = grad_o.size(3);
+  at::Tensor d = at::empty({B, H, chunks, chunk, dv}, grad_o.options().dtype(dtype));
+  at::Tensor rows = d.view({B, H, chunks * chunk, dv});
+  rows.narrow(2, 0, T).copy_(grad_o.transpose(1, 2));
+  if (chunks * chunk > T) rows.narrow(2, T, chunks * chunk - T).zero_();
+  return d;
+}
+
+void check_chunks_to_tokens(const at::Tensor& o_chunks, int64_t tokens) {
+  TORCH_CHECK(o_chunks.dim() == 5,
+              "chunks_to_tokens: expected o_chunks of shape [B, H, N, C, dv] but got ",
+              o_chunks.sizes());
+  TORCH_CHECK(tokens > 0 && tokens <= o_chunks.size(2) * o_chunks.size(3),
+              "chunks_to_tokens: expected 0 < tokens <= N * C = ",
+              o_chunks.size(2) * o_chunks.size(3), " but got tokens = ", tokens);
+}
+
+void check_tokens_to_chunks(const at::Tensor& grad_o, int64_t chunks, int64_t chunk) {
+  TORCH_CHECK(grad_o.dim() == 4,
+              "tokens_to_chunks: expected grad_o of shape [B, T, H, dv] but got ", grad_o.sizes());
+  TORCH_CHECK(chunks > 0 && chunk > 0 && chunks * chunk >= grad_o.size(1),
+              "tokens_to_chunks: expected chunks * chunk >= T = ", grad_o.size(1),
+              " but got chunks = ", chunks, ", chunk = ", chunk);
+}
+
+}  // namespace chunk_layout_internal
+
+namespace {
+
+at::Tensor chunks_to_tokens_cpu(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype) {
+  chunk_layout_internal::check_chunks_to_tokens(o_chunks, tokens);
+  return chunk_layout_internal::chunks_to_tokens_aten(o_chunks, tokens, dtype);
+}
+
+at::Tensor tokens_to_chunks_cpu(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                                at::ScalarType dtype) {
+  chunk_layout_internal::check_tokens_to_chunks(grad_o, chunks, chunk);
+  return chunk_layout_internal::tokens_to_chunks_aten(grad_o, chunks, chunk, dtype);
+}
+
+}  // namespace
+
+at::Tensor chunks_to_tokens(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gdr::chunks_to_tokens", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t, at::ScalarType)>();
+  return op.call(o_chunks, tokens, dtype);
+}
+
+at::Tensor tokens_to_chunks(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                            at::ScalarType dtype) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gdr::tokens_to_chunks", "")
+          .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, at::ScalarType)>();
+  return op.call(grad_o, chunks, chunk, dtype);
+}
+
+// No autograd of their own: ChunksToTokens (above) is the differentiable function.
+TORCH_LIBRARY_FRAGMENT(gdr, m) {
+  m.def("chunks_to_tokens(Tensor o_chunks, int tokens, ScalarType dtype) -> Tensor");
+  m.def("tokens_to_chunks(Tensor grad_o, int chunks, int chunk, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gdr, CPU, m) {
+  m.impl("chunks_to_tokens", &chunks_to_tokens_cpu);
+  m.impl("tokens_to_chunks", &tokens_to_chunks_cpu);
 }
 
 }  // namespace gdr

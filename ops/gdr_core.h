@@ -151,4 +151,27 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
     const std::optional<at::Tensor>& initial_state = std::nullopt, bool output_final_state = false,
     GdrQkNorm qk_norm = GdrQkNorm::kNone);
 
+// Note [Chunk output layout] (ops/gdr_core.cc): the core's output between the state
+// pass's chunk layout and the model's token layout, as dispatcher ops (CPU: ATen copies;
+// CUDA, ops/gdr_core_cuda.cc: kernels/chunk_layout.h where it applies, else the same
+// ATen copies). Exact copies (16-bit outputs rounded to nearest even as copy_ rounds), so
+// every implementation gives the same bits.
+// o_chunks [B, H, N, C, dv] (N * C >= tokens) -> o [B, tokens, H, dv] in `dtype`,
+// contiguous.
+at::Tensor chunks_to_tokens(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype);
+// grad_o [B, T, H, dv] (any strides and floating dtype) -> [B, H, chunks, chunk, dv] in
+// `dtype`, contiguous, the padding rows T .. chunks * chunk - 1 exactly zero.
+at::Tensor tokens_to_chunks(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                            at::ScalarType dtype);
+
+namespace chunk_layout_internal {
+// Argument checks of the two ops (shapes; messages name the argument).
+void check_chunks_to_tokens(const at::Tensor& o_chunks, int64_t tokens);
+void check_tokens_to_chunks(const at::Tensor& grad_o, int64_t chunks, int64_t chunk);
+// The ATen implementations (CPU, and CUDA where the kernels do not apply).
+at::Tensor chunks_to_tokens_aten(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype);
+at::Tensor tokens_to_chunks_aten(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                                 at::ScalarType dtype);
+}  // namespace chunk_layout_internal
+
 }  // namespace gdr

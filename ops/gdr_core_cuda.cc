@@ -12,19 +12,23 @@
 // [Chunk state scan determinism], Note [Chunk GEMM determinism]) and the cuBLAS products
 // and the dGlast sum are ATen's deterministic ops. Registered for the CUDA dispatch key;
 // linked into CUDA binaries only.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 
+#include "kernels/chunk_layout.h"
 #include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
+#include "ops/gdr_core.h"
 
 namespace gdr {
 namespace {
@@ -166,9 +170,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
       });
 }
 
+// Note [Chunk output layout] (ops/gdr_core.cc) on CUDA: one kernel each way
+// (kernels/chunk_layout.h) for contiguous FP32 chunks and contiguous token-layout tensors
+// of one of the three floating dtypes; anything else (FP64, strided gradients) takes the
+// ATen copies, which give the same values.
+std::optional<kernels::LayoutDtype> layout_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kernels::LayoutDtype::kFloat32;
+    case at::kHalf: return kernels::LayoutDtype::kFloat16;
+    case at::kBFloat16: return kernels::LayoutDtype::kBFloat16;
+    default: return std::nullopt;
+  }
+}
+
+kernels::ChunkLayoutShape layout_shape(int64_t B, int64_t H, int64_t T, int64_t rows, int64_t dv) {
+  kernels::ChunkLayoutShape shape;
+  shape.batch = B;
+  shape.heads = H;
+  shape.tokens = T;
+  shape.chunk_rows = rows;
+  shape.dv = dv;
+  return shape;
+}
+
+void check_layout_launch(int error, const char* op) {
+  TORCH_CHECK(error == cudaSuccess, op,
+              ": kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
+}
+
+at::Tensor chunks_to_tokens_cuda(const at::Tensor& o_chunks, int64_t tokens, at::ScalarType dtype) {
+  chunk_layout_internal::check_chunks_to_tokens(o_chunks, tokens);
+  const c10::cuda::CUDAGuard device_guard(o_chunks.device());
+  const int64_t B = o_chunks.size(0), H = o_chunks.size(1), N = o_chunks.size(2),
+                C = o_chunks.size(3), dv = o_chunks.size(4);
+  const std::optional<kernels::LayoutDtype> out_kind = layout_dtype(dtype);
+  if (o_chunks.scalar_type() == at::kFloat && o_chunks.is_contiguous() && out_kind.has_value()) {
+    at::Tensor o = at::empty({B, tokens, H, dv}, o_chunks.options().dtype(dtype));
+    const kernels::ChunkLayoutShape shape = layout_shape(B, H, tokens, N * C, dv);
+    if (kernels::chunk_layout_supports(shape, o_chunks.data_ptr(), o.data_ptr())) {
+      check_layout_launch(
+          kernels::launch_chunks_to_tokens(shape, o_chunks.data_ptr<float>(), o.data_ptr(),
+                                           *out_kind, c10::cuda::getCurrentCUDAStream().stream()),
+          "chunks_to_tokens");
+      return o;
+    }
+  }
+  return chunk_layout_internal::chunks_to_tokens_aten(o_chunks, tokens, dtype);
+}
+
+at::Tensor tokens_to_chunks_cuda(const at::Tensor& grad_o, int64_t chunks, int64_t chunk,
+                                 at::ScalarType dtype) {
+  chunk_layout_internal::check_tokens_to_chunks(grad_o, chunks, chunk);
+  const c10::cuda::CUDAGuard device_guard(grad_o.device());
+  const int64_t B = grad_o.size(0), T = grad_o.size(1), H = grad_o.size(2), dv = grad_o.size(3);
+  const std::optional<kernels::LayoutDtype> in_kind = layout_dtype(grad_o.scalar_type());
+  if (dtype == at::kFloat && grad_o.is_contiguous() && in_kind.has_value()) {
+    at::Tensor d = at::empty({B, H, chunks, chunk, dv}, grad_o.options().dtype(at::kFloat));
+    const kernels::ChunkLayoutShape shape = layout_shape(B, H, T, chunks * chunk, dv);
+    if (kernels::chunk_layout_supports(shape, d.data_ptr(), grad_o.data_ptr())) {
+      check_layout_launch(
+          kernels::launch_tokens_to_chunks(shape, grad_o.data_ptr(), *in_kind, d.data_ptr<float>(),
+                                           c10::cuda::getCurrentCUDAStream().stream()),
+          "tokens_to_chunks");
+      return d;
+    }
+  }
+  return chunk_layout_internal::tokens_to_chunks_aten(grad_o, chunks, chunk, dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gdr, CUDA, m) {
+  m.impl("chunks_to_tokens", &chunks_to_tokens_cuda);
+  m.impl("tokens_to_chunks", &tokens_to_chunks_cuda);
   m.impl("chunk_state_pass", &chunk_state_forward_cuda);
   m.impl("chunk_state_pass_backward", &chunk_state_backward_cuda);
   m.impl("chunk_prep", &chunk_prep_forward_cuda);
