@@ -74,27 +74,41 @@ struct Vec8<__nv_bfloat16> : Vec8Half<__nv_bfloat162, pack_bf16, unpack_bf16> {}
 template <>
 struct Vec8<__half> : Vec8Half<__half2, pack_f16, unpack_f16> {};
 
-// Destination order: (b, t, h, vector). Index: int32_t when every element offset fits
-// (the 64-bit divisions cost more than the copy at the 0.8B shapes), else int64_t.
+// The thread's vector of 8 dv elements in a row-major walk of a [rows, dv] destination:
+// the destination row and the first column. Index: int32_t when every element offset
+// fits (the 64-bit divisions cost more than the copy at the 0.8B shapes), else int64_t.
+template <typename Index>
+struct ThreadVector {
+  Index heads, tokens, chunk_rows, dv;
+  Index row, column;
+  bool active;
+  __device__ ThreadVector(const ChunkLayoutShape& shape, Index vectors)
+      : heads(static_cast<Index>(shape.heads)),
+        tokens(static_cast<Index>(shape.tokens)),
+        chunk_rows(static_cast<Index>(shape.chunk_rows)),
+        dv(static_cast<Index>(shape.dv)) {
+    const Index i = static_cast<Index>(blockIdx.x) * kThreads + static_cast<Index>(threadIdx.x);
+    const Index per_row = dv / kVec;
+    active = i < vectors;
+    row = i / per_row;
+    column = (i % per_row) * kVec;
+  }
+};
+
+// Destination order: (b, t, h, vector).
 template <typename T, typename Index>
 __global__ void __launch_bounds__(kThreads)
     chunks_to_tokens_kernel(const ChunkLayoutShape shape, const float* __restrict__ chunks,
                             T* __restrict__ tokens, Index vectors) {
-  const Index i = static_cast<Index>(blockIdx.x) * kThreads + static_cast<Index>(threadIdx.x);
-  if (i >= vectors) return;
-  const Index heads = static_cast<Index>(shape.heads),
-              tokens_per_batch = static_cast<Index>(shape.tokens);
-  const Index dv = static_cast<Index>(shape.dv), chunk_rows = static_cast<Index>(shape.chunk_rows);
-  const Index per_row = dv / kVec;
-  const Index c = (i % per_row) * kVec;
-  const Index row = i / per_row;  // (b * T + t) * H + h
-  const Index h = row % heads;
-  const Index bt = row / heads;
-  const Index t = bt % tokens_per_batch;
-  const Index b = bt / tokens_per_batch;
+  const ThreadVector<Index> x(shape, vectors);
+  if (!x.active) return;
+  const Index h = x.row % x.heads;  // x.row = (b * T + t) * H + h
+  const Index bt = x.row / x.heads;
+  const Index t = bt % x.tokens;
+  const Index b = bt / x.tokens;
   float v[kVec];
-  Vec8<float>::load(chunks + ((b * heads + h) * chunk_rows + t) * dv + c, v);
-  Vec8<T>::store(tokens + row * dv + c, v);
+  Vec8<float>::load(chunks + ((b * x.heads + h) * x.chunk_rows + t) * x.dv + x.column, v);
+  Vec8<T>::store(tokens + x.row * x.dv + x.column, v);
 }
 
 // Destination order: (b, h, r, vector); padding rows get zeros.
@@ -102,26 +116,20 @@ template <typename T, typename Index>
 __global__ void __launch_bounds__(kThreads)
     tokens_to_chunks_kernel(const ChunkLayoutShape shape, const T* __restrict__ tokens,
                             float* __restrict__ chunks, Index vectors) {
-  const Index i = static_cast<Index>(blockIdx.x) * kThreads + static_cast<Index>(threadIdx.x);
-  if (i >= vectors) return;
-  const Index heads = static_cast<Index>(shape.heads),
-              tokens_per_batch = static_cast<Index>(shape.tokens);
-  const Index dv = static_cast<Index>(shape.dv), chunk_rows = static_cast<Index>(shape.chunk_rows);
-  const Index per_row = dv / kVec;
-  const Index c = (i % per_row) * kVec;
-  const Index row = i / per_row;  // (b * H + h) * chunk_rows + r
-  const Index r = row % chunk_rows;
-  const Index bh = row / chunk_rows;
-  const Index h = bh % heads;
-  const Index b = bh / heads;
+  const ThreadVector<Index> x(shape, vectors);
+  if (!x.active) return;
+  const Index r = x.row % x.chunk_rows;  // x.row = (b * H + h) * chunk_rows + r
+  const Index bh = x.row / x.chunk_rows;
+  const Index h = bh % x.heads;
+  const Index b = bh / x.heads;
   float v[kVec];
-  if (r < tokens_per_batch) {
-    Vec8<T>::load(tokens + ((b * tokens_per_batch + r) * heads + h) * dv + c, v);
+  if (r < x.tokens) {
+    Vec8<T>::load(tokens + ((b * x.tokens + r) * x.heads + h) * x.dv + x.column, v);
   } else {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
   }
-  Vec8<float>::store(chunks + row * dv + c, v);
+  Vec8<float>::store(chunks + x.row * x.dv + x.column, v);
 }
 
 // Calls fn(T{}, Index{}) for the storage type and the narrowest index that holds every
