@@ -162,6 +162,12 @@ struct ChunkPrepBackwardArgs {
   void* dv = nullptr;      // [B, T, H, dv] contiguous, v's type
   float* dg = nullptr;     // [B, T, H]
   float* dbeta = nullptr;  // [B, T, H]
+  // Elements from one token's row of dq, dk and dv to the next (head h of token t of batch
+  // b at (b * T + t) * stride + h * d): 0 for the contiguous layouts above (H * dk, H * dv).
+  // Non-zero (head_group 1 only) when the three are column slices of one [B, T, stride]
+  // buffer, the layout of the model's split of the conv output (Note [Gradients in the
+  // inputs' layout] in ops/gdr_chunk_prep.cc).
+  int64_t grad_token_stride = 0;
 };
 
 // Return a cudaError_t as int (cudaSuccess = 0). Callers check chunk_prep_supports first;

@@ -185,6 +185,14 @@ __device__ __forceinline__ ChunkPlace chunk_place(const ChunkPrepShape& s) {
   return chunk_place(s, blockIdx.x);
 }
 
+// Element offset of row i of the chunk, head place.h, in dq / dk (d = dk) or dv (d = dv):
+// ChunkPrepBackwardArgs::grad_token_stride, or the contiguous [B, T, H, d] layout.
+__device__ __forceinline__ long long grad_row(const ChunkPrepShape& s, long long token_stride,
+                                              const ChunkPlace& place, int i, int d) {
+  const long long stride = token_stride != 0 ? token_stride : s.heads * static_cast<long long>(d);
+  return (place.b * s.tokens + place.t0 + i) * stride + place.h * d;
+}
+
 // Element offset of row i of the chunk in an input with the given strides: v, g, beta
 // (value heads), and q, k (key heads).
 __device__ __forceinline__ long long input_row(const TokenStrides& st, const ChunkPlace& place,
@@ -1263,7 +1271,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
       for (int b = 0; b < kCols; ++b) {
         const int c = tc + kColThreads * b;
-        const long long at = (place.row0 + static_cast<long long>(i) * s.heads) * DK + c;
+        // Partials (head_group > 1) always take the contiguous layout (stride 0).
+        const long long at = grad_row(s, args.grad_token_stride, place, i, DK) + c;
         store_qk_grad<TQK>(args.dk, partials, at, acc_k[a][b]);
         store_qk_grad<TQK>(args.dq, partials, at, acc_q[a][b]);
       }
@@ -1272,9 +1281,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   for (int e = tid; e < kC * dv; e += kThreads) {
     const int i = e / dv, c = e % dv;
     if (i < place.rows) {
-      store_float(
-          static_cast<TV*>(args.dv) + (place.row0 + static_cast<long long>(i) * s.heads) * dv + c,
-          bs[i] * rs[i * rp + c]);
+      store_float(static_cast<TV*>(args.dv) + grad_row(s, args.grad_token_stride, place, i, dv) + c,
+                  bs[i] * rs[i * rp + c]);
     }
   }
 }

@@ -2,6 +2,7 @@
 #include "ops/env_choice.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -9,6 +10,7 @@
 #include <ATen/ops/split_with_sizes.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <tuple>
@@ -34,7 +36,83 @@ void check_activation(const char* module, const at::Tensor& x, int64_t hidden) {
               "] but got ", x.sizes());
 }
 
+// split_last_dim (see the header).
+class SplitLastDim : public torch::autograd::Function<SplitLastDim> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x,
+                                                const std::vector<int64_t>& sizes) {
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["shape"] = x.sizes().vec();
+    ctx->set_materialize_grads(false);
+    std::vector<at::Tensor> pieces;
+    int64_t offset = 0;
+    for (int64_t size : sizes) {
+      pieces.push_back(x.narrow(-1, offset, size));
+      offset += size;
+    }
+    return pieces;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+    if (at::Tensor whole = tiled_buffer(grads, shape); whole.defined()) return {whole, {}};
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> piece_shape = shape;
+    at::TensorOptions options;
+    for (const at::Tensor& g : grads) {
+      if (g.defined()) options = g.options();
+    }
+    if (!options.has_dtype()) return {at::Tensor(), at::Tensor()};
+    for (size_t i = 0; i < grads.size(); ++i) {
+      piece_shape.back() = sizes[i];
+      parts.push_back(grads[i].defined() ? grads[i] : at::zeros(piece_shape, options));
+    }
+    return {at::cat(parts, -1), at::Tensor()};
+  }
+
+ private:
+  // The tensor of `shape` (contiguous) whose consecutive column slices the gradients are,
+  // as a view of their storage; undefined when they are not exactly that.
+  static at::Tensor tiled_buffer(const torch::autograd::variable_list& grads,
+                                 const std::vector<int64_t>& shape) {
+    const int64_t width = shape.back();
+    int64_t expected_offset = -1;
+    for (const at::Tensor& g : grads) {
+      if (!g.defined() || g.dim() != static_cast<int64_t>(shape.size()) ||
+          g.scalar_type() != grads[0].scalar_type() ||
+          !g.storage().is_alias_of(grads[0].storage()) || g.stride(-1) != 1) {
+        return {};
+      }
+      // Row-major strides of `shape` on every dim but the last (size-1 dims are free).
+      int64_t stride = width;
+      for (int64_t d = g.dim() - 2; d >= 0; --d) {
+        if (g.size(d) != shape[d] || (shape[d] > 1 && g.stride(d) != stride)) return {};
+        stride *= shape[d];
+      }
+      if (expected_offset >= 0 && g.storage_offset() != expected_offset) return {};
+      expected_offset = g.storage_offset() + g.size(-1);
+    }
+    if (expected_offset - grads[0].storage_offset() != width) return {};
+    std::vector<int64_t> strides(shape.size(), 1);
+    for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
+      strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    return grads[0].as_strided(shape, strides, grads[0].storage_offset());
+  }
+};
+
 }  // namespace
+
+std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<int64_t>& sizes) {
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == total, "split_last_dim: expected x's last dim to be ",
+              total, " (the sum of the sizes) but got shape ", x.sizes());
+  return SplitLastDim::apply(x, sizes);
+}
 
 // Both norms take the fused op (ops/rms_norm.h) for CUDA FP32/FP16/BF16 inputs unless
 // GDR_RMS_NORM=composite (read at every call; a bad value is an error on every device);
@@ -176,8 +254,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // inputs) and maps each of the Hv/Hk consecutive value heads of a key head to it, on
     // CUDA inside the prep kernel, which reads these views in place.
     // One split, not three narrows: see Note [Split, not narrow].
-    const std::vector<at::Tensor> qkv_parts =
-        at::split_with_sizes(qkv, {key_dim, key_dim, value_dim}, -1);
+    const std::vector<at::Tensor> qkv_parts = split_last_dim(qkv, {key_dim, key_dim, value_dim});
     q = qkv_parts[0].reshape({B, T, num_k_heads_, k_head_dim_});
     k = qkv_parts[1].reshape({B, T, num_k_heads_, k_head_dim_});
     // Note [GDR core value dtype]: the core computes in FP32 whatever its inputs and returns
@@ -250,7 +327,9 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   // its slice in, and autograd then adds those full-size gradients up (for the GDN's q, k, v:
   // 3 fills, 3 copies and 2 adds of [B, T, conv_dim] per layer); a split's backward
   // concatenates its pieces' gradients in one pass. The sums only ever add zeros, so the
-  // values are the same (up to the sign of an all-zero gradient element).
+  // values are the same (up to the sign of an all-zero gradient element). The GDN's q, k, v
+  // split (split_last_dim) skips even that pass when the core wrote their gradients into one
+  // buffer already (Note [Gradients in the inputs' layout] in ops/gdr_chunk_prep.cc).
   const std::vector<at::Tensor> query_and_gate_parts = at::split(query_and_gate, head_dim_, -1);
   at::Tensor q = query_and_gate_parts[0];
   const at::Tensor& gate = query_and_gate_parts[1];  // [B, T, H, hd], read in place

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "models/qwen/config.h"
 
@@ -49,6 +50,14 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 // otherwise the composition (causal_conv1d_silu_composite, the reference; a transposed
 // view).
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
+
+// x [..., sum(sizes)] split along the last dim into views of `sizes` (as
+// at::split_with_sizes), differentiable. The backward returns the pieces' gradients as one
+// tensor without a copy when they already are the consecutive column slices of one
+// buffer of x's shape (the GDN core writes dq, dk, dv so: Note [Gradients in the inputs'
+// layout] in ops/gdr_chunk_prep.cc), else concatenates them (zeros for a piece without a
+// gradient). The same values either way.
+std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<int64_t>& sizes);
 
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
 // 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype. The fused

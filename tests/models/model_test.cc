@@ -2,6 +2,7 @@
 // levels agreeing, chunked vs recurrent core inside the model (Hv > Hk), the loss, BF16,
 // and that it learns.
 #include "models/qwen/model.h"
+#include "models/qwen/layers.h"
 
 #include "ops/gdr_core.h"
 
@@ -218,6 +219,48 @@ TEST(QwenModel, Bf16ModelGivesNearlyTheFp32Loss) {
 }
 
 // Independent check of the label shift and ignore index, written from the contract.
+// split_last_dim: the forward's pieces are views of x; the backward returns the gradient
+// buffer itself (no copy) when the pieces' gradients are its consecutive column slices,
+// and otherwise the concatenation (zeros for a piece without gradient), the values of
+// at::split_with_sizes's backward in both cases.
+TEST(SplitLastDim, BackwardReturnsATiledBufferAsIsAndConcatenatesOtherwise) {
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({2, 5, 9}).requires_grad_(true);
+  const std::vector<int64_t> sizes = {3, 2, 4};
+  const std::vector<at::Tensor> pieces = split_last_dim(x, sizes);
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_TRUE(at::equal(pieces[1], x.detach().narrow(-1, 3, 2)));
+  EXPECT_EQ(pieces[2].data_ptr(), x.narrow(-1, 5, 4).data_ptr()) << "a view, not a copy";
+
+  // Gradients laid out as the GDN core writes them: slices of one [2, 5, 9] buffer.
+  const at::Tensor buffer = at::randn({2, 5, 9});
+  const std::vector<at::Tensor> tiled = {buffer.narrow(-1, 0, 3), buffer.narrow(-1, 3, 2),
+                                         buffer.narrow(-1, 5, 4)};
+  const at::Tensor grad_tiled = torch::autograd::grad(pieces, {x}, tiled, true)[0];
+  EXPECT_EQ(grad_tiled.data_ptr(), buffer.data_ptr()) << "the buffer itself, no copy";
+  EXPECT_TRUE(at::equal(grad_tiled, buffer));
+
+  // Separate gradients, and the pieces out of order in one buffer: concatenated.
+  const std::vector<at::Tensor> separate = {at::randn({2, 5, 3}), at::randn({2, 5, 2}),
+                                            at::randn({2, 5, 4})};
+  const at::Tensor grad_separate = torch::autograd::grad(pieces, {x}, separate, true)[0];
+  EXPECT_TRUE(at::equal(grad_separate, at::cat(separate, -1)));
+  const std::vector<at::Tensor> shuffled = {buffer.narrow(-1, 6, 3), buffer.narrow(-1, 0, 2),
+                                            buffer.narrow(-1, 2, 4)};
+  const at::Tensor grad_shuffled = torch::autograd::grad(pieces, {x}, shuffled, true)[0];
+  EXPECT_NE(grad_shuffled.data_ptr(), buffer.data_ptr());
+  EXPECT_TRUE(at::equal(grad_shuffled, at::cat(shuffled, -1)));
+
+  // A piece without gradient: zeros in its columns.
+  const at::Tensor loss = (pieces[0] * 2).sum() + pieces[2].sum();
+  const at::Tensor grad_partial = torch::autograd::grad({loss}, {x})[0];
+  EXPECT_TRUE(at::equal(grad_partial.narrow(-1, 0, 3), at::full({2, 5, 3}, 2.0f)));
+  EXPECT_TRUE(at::equal(grad_partial.narrow(-1, 3, 2), at::zeros({2, 5, 2})));
+  EXPECT_TRUE(at::equal(grad_partial.narrow(-1, 5, 4), at::ones({2, 5, 4})));
+
+  EXPECT_THROW(split_last_dim(x, {3, 3}), c10::Error);
+}
+
 TEST(CausalLmLoss, ScoresEachPositionAgainstTheNextLabelAndSkipsMinus100) {
   at::manual_seed(9);
   const at::Tensor logits = at::randn({1, 3, 5});

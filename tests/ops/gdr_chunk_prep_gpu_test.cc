@@ -362,25 +362,31 @@ TEST_F(GdrCorePrepGpu, StridedInputsGiveTheBitsOfContiguousInputs) {
       const at::Tensor w_s = at::randn({B, H, dk, dv}, kCuda);
       const Results contiguous = run_core(x, w_o, w_s);
 
-      at::Tensor row = at::empty({B, T, H * (2 * dk + dv) + 8}, x.q.options());
-      row.narrow(-1, 0, H * dk).copy_(x.q.reshape({B, T, H * dk}));
-      row.narrow(-1, H * dk, H * dk).copy_(x.k.reshape({B, T, H * dk}));
-      row.narrow(-1, 2 * H * dk, H * dv).copy_(x.v.reshape({B, T, H * dv}));
-      Inputs strided;
-      strided.q = row.narrow(-1, 0, H * dk).view({B, T, H, dk});
-      strided.k = row.narrow(-1, H * dk, H * dk).view({B, T, H, dk});
-      strided.v = row.narrow(-1, 2 * H * dk, H * dv).view({B, T, H, dv});
-      strided.g = x.g.transpose(0, 1).contiguous().transpose(0, 1);
-      strided.beta = x.beta.transpose(0, 1).contiguous().transpose(0, 1);
-      ASSERT_FALSE(strided.q.is_contiguous() || strided.v.is_contiguous() ||
-                   strided.g.is_contiguous());
-      const Results got = run_core(strided, w_o, w_s);
-      EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
-      EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel) << context;
-      EXPECT_TRUE(got[0].is_contiguous()) << context << " o";
-      EXPECT_EQ(got[0].scalar_type(), dtype) << context << " o";
-      for (size_t i = 0; i < got.size(); ++i) {
-        EXPECT_TRUE(bitwise_equal(got[i], contiguous[i])) << context << " " << names[i];
+      // Rows 8 columns wider than q | k | v (strided reads), or exactly q | k | v: the
+      // model's split, whose gradients the kernel writes as slices of one buffer (Note
+      // [Gradients in the inputs' layout] in ops/gdr_chunk_prep.cc).
+      for (const int64_t extra : {int64_t{8}, int64_t{0}}) {
+        at::Tensor row = at::empty({B, T, H * (2 * dk + dv) + extra}, x.q.options());
+        row.narrow(-1, 0, H * dk).copy_(x.q.reshape({B, T, H * dk}));
+        row.narrow(-1, H * dk, H * dk).copy_(x.k.reshape({B, T, H * dk}));
+        row.narrow(-1, 2 * H * dk, H * dv).copy_(x.v.reshape({B, T, H * dv}));
+        Inputs strided;
+        strided.q = row.narrow(-1, 0, H * dk).view({B, T, H, dk});
+        strided.k = row.narrow(-1, H * dk, H * dk).view({B, T, H, dk});
+        strided.v = row.narrow(-1, 2 * H * dk, H * dv).view({B, T, H, dv});
+        strided.g = x.g.transpose(0, 1).contiguous().transpose(0, 1);
+        strided.beta = x.beta.transpose(0, 1).contiguous().transpose(0, 1);
+        ASSERT_FALSE(strided.q.is_contiguous() || strided.v.is_contiguous() ||
+                     strided.g.is_contiguous());
+        const Results got = run_core(strided, w_o, w_s);
+        EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
+        EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel) << context;
+        EXPECT_TRUE(got[0].is_contiguous()) << context << " o";
+        EXPECT_EQ(got[0].scalar_type(), dtype) << context << " o";
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_TRUE(bitwise_equal(got[i], contiguous[i]))
+              << context << " extra " << extra << " " << names[i];
+        }
       }
     }
   }

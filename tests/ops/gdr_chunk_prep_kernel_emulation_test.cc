@@ -498,6 +498,67 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{1, 70, 2, 2, 128, 64, at::kBFloat16, at::kFloat, false, true}),
     [](const ::testing::TestParamInfo<FusedCase>& info) { return describe(info.param); });
 
+// Note [Gradients in the inputs' layout]: q, k, v as the consecutive column slices of one
+// [B, T, 2 H dk + H dv] buffer (the model's split) get dq, dk, dv as the same slices of
+// one new buffer, with the bits of the contiguous inputs' gradients; other layouts
+// (contiguous inputs, or the slices in another order) keep separate contiguous gradients.
+TEST(ChunkPrepKernelEmulation, SplitInputsGetTheirGradientsAsSlicesOfOneBuffer) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const int64_t B = 2, T = 70, H = 2, dk = 64, dv = 32, C = kChunkPrepChunk;
+    const int64_t S = 2 * H * dk + H * dv;
+    at::manual_seed(11);
+    at::Tensor q = at::randn({B, T, H, dk}), k = at::randn({B, T, H, dk});
+    q = (q / q.norm(2, -1, true)).to(dtype);
+    k = (k / k.norm(2, -1, true)).to(dtype);
+    const at::Tensor v = at::randn({B, T, H, dv}).to(dtype);
+    const at::Tensor g = -2.0 * at::rand({B, T, H});
+    const at::Tensor beta = at::sigmoid(at::randn({B, T, H}));
+    const at::Tensor rows = at::cat(
+        {q.reshape({B, T, H * dk}), k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
+    const at::Tensor qs = rows.narrow(-1, 0, H * dk).view({B, T, H, dk});
+    const at::Tensor ks = rows.narrow(-1, H * dk, H * dk).view({B, T, H, dk});
+    const at::Tensor vs = rows.narrow(-1, 2 * H * dk, H * dv).view({B, T, H, dv});
+    const double scale = 0.125;
+    const auto fwd =
+        chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, true, emulate_forward);
+    const at::Tensor du = at::randn(std::get<0>(fwd).sizes());
+    const at::Tensor dp = at::randn(std::get<3>(fwd).sizes());
+    auto backward = [&](const at::Tensor& bq, const at::Tensor& bk, const at::Tensor& bv) {
+      return chunk_prep_internal::backward_via_kernel(
+          du, std::nullopt, std::nullopt, dp, std::nullopt, std::nullopt, bq, bk, bv, g, beta,
+          std::get<0>(fwd), std::get<1>(fwd), scale, C, true, emulate_backward);
+    };
+    const auto want = backward(q, k, v);
+    const auto got = backward(qs, ks, vs);
+    const at::Tensor dq = std::get<0>(got), dk_ = std::get<1>(got), dv_ = std::get<2>(got);
+    EXPECT_TRUE(at::equal(dq, std::get<0>(want))) << dtype;
+    EXPECT_TRUE(at::equal(dk_, std::get<1>(want))) << dtype;
+    EXPECT_TRUE(at::equal(dv_, std::get<2>(want))) << dtype;
+    EXPECT_TRUE(at::equal(std::get<3>(got), std::get<3>(want))) << dtype;
+    EXPECT_TRUE(at::equal(std::get<4>(got), std::get<4>(want))) << dtype;
+    EXPECT_EQ(dq.stride(1), S) << "dq is a column slice of one [B, T, S] buffer";
+    EXPECT_EQ(static_cast<const char*>(dk_.data_ptr()),
+              static_cast<const char*>(dq.data_ptr()) + H * dk * dq.element_size());
+    EXPECT_EQ(static_cast<const char*>(dv_.data_ptr()),
+              static_cast<const char*>(dk_.data_ptr()) + H * dk * dk_.element_size());
+    EXPECT_TRUE(std::get<0>(want).is_contiguous() && std::get<2>(want).is_contiguous());
+    // k's slice passed as q and q's as k: not the split's order, so separate contiguous
+    // gradients, with the bits of the same inputs passed contiguous.
+    const auto swapped = backward(ks, qs, vs);
+    const auto swapped_want = backward(k, q, v);
+    EXPECT_TRUE(std::get<0>(swapped).is_contiguous()) << dtype;
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor a = i == 0   ? std::get<0>(swapped)
+                           : i == 1 ? std::get<1>(swapped)
+                                    : std::get<2>(swapped);
+      const at::Tensor b = i == 0   ? std::get<0>(swapped_want)
+                           : i == 1 ? std::get<1>(swapped_want)
+                                    : std::get<2>(swapped_want);
+      EXPECT_TRUE(at::equal(a, b)) << dtype << " gradient " << i;
+    }
+  }
+}
+
 TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
   const at::Tensor q = at::randn({1, 10, 1, 32}), v = at::randn({1, 10, 1, 64});
   const at::Tensor g = at::zeros({1, 10, 1});
