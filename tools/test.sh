@@ -24,8 +24,9 @@ log=$(mktemp /tmp/gdr-test.XXXXXX.log)
 bazel test --test_tag_filters="$tag_filter" --test_summary=short "$@" //... 2>&1 | tee "$log"
 bazel_status=${PIPESTATUS[0]}
 
-passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
-failed=$(grep -cE '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO STATUS|FAILED TO BUILD)' "$log")
+# "(cached)", or "(3/4 cached)" for a sharded test whose shards were partly cached.
+passed=$(grep -cE '^//[^ ]+ +(\([^)]*cached\) )?PASSED' "$log")
+failed=$(grep -cE '^//[^ ]+ +(\([^)]*cached\) )?(FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO STATUS|FAILED TO BUILD)' "$log")
 skipped=0
 if [ -n "$tag_filter" ]; then
   skipped=$(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | grep -c '^//')
