@@ -517,6 +517,9 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
           }
         }
       }
+      // grad_accum is fixed for the run, so the positions captured are the positions used.
+      TORCH_INTERNAL_ASSERT(m.graphs.size() == slots, "microbatch graphs for ", m.graphs.size(),
+                            " positions, but the step has ", slots);
       MicrobatchGraph& g = *m.graphs[slot];
       g.ids.copy_(ids, /*non_blocking=*/true);
       g.work->replay();
