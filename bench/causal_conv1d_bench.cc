@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_flags.h"
 #include "bench/cuda_timing.h"
 #include "ops/causal_conv1d.h"
 
@@ -162,19 +163,9 @@ int main(int argc, char** argv) {
     } else if (arg.rfind("--taps=", 0) == 0) {
       ok = std::sscanf(arg.c_str() + 7, "%lld", &taps) == 1 && taps >= 2 && taps <= 4;
     } else if (arg.rfind("--dtypes=", 0) == 0) {
-      ok = gdr::parse_list<at::ScalarType>(arg.substr(9), "--dtypes", dtypes,
-                                           [](const std::string& item, at::ScalarType& t) {
-                                             if (item == "bf16") {
-                                               t = at::kBFloat16;
-                                             } else if (item == "f16") {
-                                               t = at::kHalf;
-                                             } else if (item == "f32") {
-                                               t = at::kFloat;
-                                             } else {
-                                               return false;
-                                             }
-                                             return true;
-                                           });
+      if (!gdr::bench::parse_dtype_list("causal_conv1d_bench", arg.substr(9), true, dtypes)) {
+        return 2;
+      }
     } else {
       std::fprintf(stderr, "causal_conv1d_bench: unknown argument '%s' (see --help)\n", argv[i]);
       return 2;

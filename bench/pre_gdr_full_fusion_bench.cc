@@ -14,10 +14,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_flags.h"
 #include "bench/cuda_timing.h"
 #include "ops/pre_gdr_full_fusion.h"
 
@@ -112,20 +112,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (arg.rfind("--dtypes=", 0) == 0) {
-      dtypes.clear();
-      std::stringstream list(arg.substr(9));
-      std::string item;
-      while (std::getline(list, item, ',')) {
-        if (item == "bf16") {
-          dtypes.push_back(at::kBFloat16);
-        } else if (item == "f32") {
-          dtypes.push_back(at::kFloat);
-        } else {
-          std::fprintf(stderr,
-                       "pre_gdr_full_fusion_bench: --dtypes expects bf16 or f32, got '%s'\n",
-                       item.c_str());
-          return 2;
-        }
+      if (!gdr::bench::parse_dtype_list("pre_gdr_full_fusion_bench", arg.substr(9), false,
+                                        dtypes)) {
+        return 2;
       }
     } else {
       std::fprintf(stderr, "pre_gdr_full_fusion_bench: unknown argument '%s' (see --help)\n",

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_flags.h"
 #include "bench/cuda_timing.h"
 #include "kernels/pre_gdr_gate.h"
 #include "ops/autotune.h"
@@ -221,19 +222,8 @@ int main(int argc, char** argv) {
         shapes.push_back({t, h});
       }
     } else if (arg.rfind("--dtypes=", 0) == 0) {
-      dtypes.clear();
-      std::stringstream list(arg.substr(9));
-      std::string item;
-      while (std::getline(list, item, ',')) {
-        if (item == "bf16") {
-          dtypes.push_back(at::kBFloat16);
-        } else if (item == "f32") {
-          dtypes.push_back(at::kFloat);
-        } else {
-          std::fprintf(stderr, "pre_gdr_gate_bench: --dtypes expects bf16 or f32, got '%s'\n",
-                       item.c_str());
-          return 2;
-        }
+      if (!gdr::bench::parse_dtype_list("pre_gdr_gate_bench", arg.substr(9), false, dtypes)) {
+        return 2;
       }
     } else {
       std::fprintf(stderr, "pre_gdr_gate_bench: unknown argument '%s' (see --help)\n", argv[i]);

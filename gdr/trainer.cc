@@ -223,12 +223,10 @@ struct Trainer::Impl {
     return static_cast<torch::optim::AdamWParamState*>(it->second.get());
   }
 
-  // The capture whose memory pool the next capture shares (Note [Microbatch graphs]).
+  // The capture whose memory pool the next capture shares (Note [Microbatch graphs]): the
+  // first position's, which is captured first; null for that first capture.
   const CapturedWork* graph_pool_owner() const {
-    for (const std::unique_ptr<MicrobatchGraph>& g : graphs) {
-      if (g != nullptr) return g->work.get();
-    }
-    return nullptr;
+    return !graphs.empty() && graphs[0] != nullptr ? graphs[0]->work.get() : nullptr;
   }
 
   // Captures one microbatch (forward, loss, backward of loss / divisor) on `ids`'s shape
