@@ -5,7 +5,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/split.h>
 #include <ATen/ops/split_with_sizes.h>
 #include <ATen/ops/zeros.h>
@@ -15,6 +14,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops/attention.h"
 #include "ops/causal_conv1d.h"
 #include "ops/gated_activation.h"
 #include "ops/gdr_core.h"
@@ -338,9 +338,10 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
 
   q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
   k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
-  const at::Tensor attn = at::scaled_dot_product_attention(
-      q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-      /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)), /*enable_gqa=*/true);
+  // cuDNN on CUDA (deterministic backward in deterministic mode), ATen's SDPA otherwise:
+  // Note [Attention backends] in ops/attention.h.
+  const at::Tensor attn =
+      causal_attention(q, k, v, /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)));
   return o_proj(gated_activation(gate, attn.transpose(1, 2).reshape({B, T, -1}),
                                  GatedActivationKind::kSigmoid));
 }
