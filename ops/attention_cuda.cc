@@ -2,6 +2,7 @@
 // the tensors' shapes and strides, outputs and workspace from the caching allocator, and
 // one cuDNN graph execution each way on the current stream (kernels/cudnn_attention.h).
 // Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -134,6 +135,20 @@ std::string unsupported_reason_cuda(const at::Tensor& q, const at::Tensor& k, co
     p.deterministic = true;
     reason = kernels::cudnn_attention_unsupported_reason(p);
     if (!reason.empty()) return cudnn + " (deterministic backward): " + reason;
+    // Note [Deterministic attention workspace]: on Hopper cuDNN's deterministic backward
+    // materialises dP, B * Hq * T^2 BF16 values of workspace (64 MiB for the 0.8B model's
+    // T = 2048, 16 GiB at T = 32768). Past an eighth of the device's memory ATen's
+    // FlashAttention 2 path (deterministic, workspace linear in T) is the better choice.
+    if (use_deterministic_mode()) {
+      const int64_t bytes = kernels::cudnn_attention_backward_workspace_bytes(p);
+      const int64_t limit =
+          static_cast<int64_t>(at::cuda::getDeviceProperties(p.device)->totalGlobalMem / 8);
+      if (bytes > limit) {
+        return cudnn + " (deterministic backward): its workspace of " +
+               std::to_string(bytes >> 20) + " MiB is over an eighth of the device's memory (" +
+               std::to_string(limit >> 20) + " MiB)";
+      }
+    }
   } catch (const std::exception& e) {
     return e.what();
   }

@@ -251,6 +251,23 @@ TEST(CausalAttentionGpu, ProblemsCudnnCannotRunTakeAtenSdpa) {
     EXPECT_EQ(why, "GDR_ATTENTION=aten");
   }
   {
+    // Deterministic mode at T = 49152: cuDNN's dP workspace (8 x 49152^2 BF16 = 36 GiB, plus its FP32 dQ accumulator)
+    // is over an eighth of the H200's memory, so ATen's FlashAttention path takes it; the
+    // default backward needs no such workspace and stays on cuDNN. Nothing runs here: the
+    // choice only builds the plans.
+    const Inputs in = make_inputs({1, 8, 2, 49152, 256}, at::kBFloat16, 14);
+    {
+      const DeterministicModeGuard deterministic(true);
+      EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.0625, &why), AttentionBackend::kAten);
+      std::printf("T = 49152, deterministic: %s\n", why.c_str());
+      EXPECT_NE(why.find("(deterministic backward): its workspace of "), std::string::npos) << why;
+      EXPECT_NE(why.find(" MiB is over an eighth of the device's memory ("), std::string::npos)
+          << why;
+    }
+    const DeterministicModeGuard nondeterministic(false);
+    EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.0625, &why), AttentionBackend::kCudnn) << why;
+  }
+  {
     // A view whose head_dim is not contiguous cannot be read in place.
     const Inputs in = make_inputs({1, 4, 2, 64, 64}, at::kBFloat16, 13);
     const at::Tensor q = in.q.transpose(2, 3).contiguous().transpose(2, 3);
