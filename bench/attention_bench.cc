@@ -66,9 +66,8 @@ void bench_shape(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D) {
     const double fb = bench::median_graph_ms(forward_backward, kPerGraph, 3, kWarmup, kRepeats);
     if (reference_fb == 0) reference_fb = fb;
     std::printf("| %lld x %lld/%lld x %lld x %lld | %s | %.1f | %.1f | %.0f | %.0f | %.2f |\n",
-                static_cast<long long>(B), static_cast<long long>(Hq),
-                static_cast<long long>(Hkv), static_cast<long long>(T),
-                static_cast<long long>(D), arm.name, fwd * 1e3, fb * 1e3,
+                static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Hkv),
+                static_cast<long long>(T), static_cast<long long>(D), arm.name, fwd * 1e3, fb * 1e3,
                 forward_flop / (fwd * 1e-3) / 1e12, 3.5 * forward_flop / (fb * 1e-3) / 1e12,
                 fb / reference_fb);
   }

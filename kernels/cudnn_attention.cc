@@ -83,8 +83,15 @@ std::vector<int64_t> cache_key(const AttentionProblem& p, Pass pass) {
   int32_t scale_bits;
   static_assert(sizeof(scale_bits) == sizeof(p.scale));
   std::memcpy(&scale_bits, &p.scale, sizeof(scale_bits));
-  std::vector<int64_t> key = {static_cast<int64_t>(pass), p.device, static_cast<int64_t>(p.dtype),
-                              p.batch, p.q_heads, p.kv_heads, p.seq_len, p.head_dim, scale_bits};
+  std::vector<int64_t> key = {static_cast<int64_t>(pass),
+                              p.device,
+                              static_cast<int64_t>(p.dtype),
+                              p.batch,
+                              p.q_heads,
+                              p.kv_heads,
+                              p.seq_len,
+                              p.head_dim,
+                              scale_bits};
   auto append = [&key](const AttentionStrides& s) { key.insert(key.end(), s.begin(), s.end()); };
   append(p.q);
   append(p.k);
@@ -113,8 +120,10 @@ std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph& graph, con
 
 void set_output(const std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid, int64_t heads,
                 const AttentionProblem& p, const AttentionStrides& s) {
-  t->set_output(true).set_uid(uid).set_dim({p.batch, heads, p.seq_len, p.head_dim}).set_stride(
-      {s[0], s[1], s[2], s[3]});
+  t->set_output(true)
+      .set_uid(uid)
+      .set_dim({p.batch, heads, p.seq_len, p.head_dim})
+      .set_stride({s[0], s[1], s[2], s[3]});
 }
 
 std::string step_error(const char* step, const fe::error_t& status) {
@@ -125,8 +134,9 @@ std::string step_error(const char* step, const fe::error_t& status) {
 CachedGraph build(const AttentionProblem& p, Pass pass) {
   CachedGraph out;
   auto graph = std::make_shared<fe::graph::Graph>();
-  graph->set_io_data_type(p.dtype == AttentionDtype::kBFloat16 ? fe::DataType_t::BFLOAT16
-                                                               : fe::DataType_t::HALF)
+  graph
+      ->set_io_data_type(p.dtype == AttentionDtype::kBFloat16 ? fe::DataType_t::BFLOAT16
+                                                              : fe::DataType_t::HALF)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
   auto q = input(*graph, "q", kQ, p.batch, p.q_heads, p, p.q);
@@ -241,16 +251,18 @@ void cudnn_attention_forward(const AttentionProblem& problem, const void* q, con
                              const void* v, void* o, float* stats, void* workspace,
                              cudaStream_t stream) {
   const CachedGraph& cached = supported_graph(problem, Pass::kForward);
-  std::unordered_map<int64_t, void*> pointers = {
-      {kQ, const_cast<void*>(q)}, {kK, const_cast<void*>(k)}, {kV, const_cast<void*>(v)},
-      {kO, o},                    {kStats, stats}};
+  std::unordered_map<int64_t, void*> pointers = {{kQ, const_cast<void*>(q)},
+                                                 {kK, const_cast<void*>(k)},
+                                                 {kV, const_cast<void*>(v)},
+                                                 {kO, o},
+                                                 {kStats, stats}};
   execute(cached, problem, pointers, workspace, stream, "cudnn_attention_forward");
 }
 
 void cudnn_attention_backward(const AttentionProblem& problem, const void* q, const void* k,
-                              const void* v, const void* o, const void* grad_o,
-                              const float* stats, void* grad_q, void* grad_k, void* grad_v,
-                              void* workspace, cudaStream_t stream) {
+                              const void* v, const void* o, const void* grad_o, const float* stats,
+                              void* grad_q, void* grad_k, void* grad_v, void* workspace,
+                              cudaStream_t stream) {
   const CachedGraph& cached = supported_graph(problem, Pass::kBackward);
   std::unordered_map<int64_t, void*> pointers = {{kQ, const_cast<void*>(q)},
                                                  {kK, const_cast<void*>(k)},

@@ -59,9 +59,9 @@ void cudnn_attention_forward(const AttentionProblem& problem, const void* q, con
 
 // grad_q, grad_k, grad_v of the forward above, from its o and stats.
 void cudnn_attention_backward(const AttentionProblem& problem, const void* q, const void* k,
-                              const void* v, const void* o, const void* grad_o,
-                              const float* stats, void* grad_q, void* grad_k, void* grad_v,
-                              void* workspace, cudaStream_t stream);
+                              const void* v, const void* o, const void* grad_o, const float* stats,
+                              void* grad_q, void* grad_k, void* grad_v, void* workspace,
+                              cudaStream_t stream);
 
 // The version of the cuDNN library in use (e.g. 91900), loading it if needed.
 int64_t cudnn_attention_backend_version();

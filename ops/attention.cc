@@ -32,8 +32,8 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   const at::Tensor* tensors[] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i) {
     const at::Tensor& t = *tensors[i];
-    TORCH_CHECK(t.dim() == 4, op, ": expected ", names[i], " of rank 4 ([B, heads, T, D]), but got shape ",
-                t.sizes());
+    TORCH_CHECK(t.dim() == 4, op, ": expected ", names[i],
+                " of rank 4 ([B, heads, T, D]), but got shape ", t.sizes());
     const at::ScalarType s = t.scalar_type();
     TORCH_CHECK(s == at::kBFloat16 || s == at::kHalf || s == at::kFloat || s == at::kDouble, op,
                 ": expected ", names[i], " of dtype BFloat16, Half, Float or Double, but got ", s);
@@ -44,8 +44,8 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   }
   TORCH_CHECK(k.sizes() == v.sizes(), op, ": expected v of shape ", k.sizes(), " (k's), but got ",
               v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0), op, ": expected k with batch ", q.size(0),
-              " (q's), but got ", k.size(0));
+  TORCH_CHECK(k.size(0) == q.size(0), op, ": expected k with batch ", q.size(0), " (q's), but got ",
+              k.size(0));
   TORCH_CHECK(k.size(2) == q.size(2), op, ": expected k with sequence length ", q.size(2),
               " (q's; causal self-attention), but got ", k.size(2));
   TORCH_CHECK(k.size(3) == q.size(3), op, ": expected k with head_dim ", q.size(3),
@@ -62,10 +62,10 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                            const at::Tensor& logsumexp, double scale) {
   check_inputs(op, q, k, v, scale);
-  TORCH_CHECK(out.defined() && out.sizes() == q.sizes(), op, ": expected out of shape ",
-              q.sizes(), " (q's), but got ", out.defined() ? out.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(out.scalar_type() == q.scalar_type(), op, ": expected out of dtype ",
-              q.scalar_type(), ", but got ", out.scalar_type());
+  TORCH_CHECK(out.defined() && out.sizes() == q.sizes(), op, ": expected out of shape ", q.sizes(),
+              " (q's), but got ", out.defined() ? out.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), op, ": expected out of dtype ", q.scalar_type(),
+              ", but got ", out.scalar_type());
   TORCH_CHECK(grad_out.defined() && grad_out.sizes() == q.sizes(), op,
               ": expected grad_out of shape ", q.sizes(), " (q's), but got ",
               grad_out.defined() ? grad_out.sizes() : at::IntArrayRef{});
@@ -79,8 +79,8 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
   TORCH_CHECK(logsumexp.scalar_type() == stats_type, op, ": expected logsumexp of dtype ",
               stats_type, ", but got ", logsumexp.scalar_type());
   for (const at::Tensor* t : {&grad_out, &out, &logsumexp}) {
-    TORCH_CHECK(t->device() == q.device(), op, ": all tensors must be on q's device ",
-                q.device(), ", but one is on ", t->device());
+    TORCH_CHECK(t->device() == q.device(), op, ": all tensors must be on q's device ", q.device(),
+                ", but one is on ", t->device());
   }
 }
 
@@ -179,9 +179,9 @@ class CausalAttentionFunction : public torch::autograd::Function<CausalAttention
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const auto saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [grad_q, grad_k, grad_v] = backward_op().call(grads[0], saved[0], saved[1], saved[2],
-                                                       saved[3], saved[4],
-                                                       ctx->saved_data["scale"].toDouble());
+    auto [grad_q, grad_k, grad_v] =
+        backward_op().call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+                           ctx->saved_data["scale"].toDouble());
     return {grad_q, grad_k, grad_v, at::Tensor()};
   }
 };

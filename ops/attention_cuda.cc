@@ -40,7 +40,8 @@ at::Tensor empty_bthd(const at::Tensor& like_q) {
 // A gradient buffer with the strides of its input when those are dense (q / k / v are
 // transposed views of projections), else [B, T, H, D].
 at::Tensor empty_gradient_like(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense()) return at::empty_strided(t.sizes(), t.strides(), t.options());
+  if (t.is_non_overlapping_and_dense())
+    return at::empty_strided(t.sizes(), t.strides(), t.options());
   return empty_bthd(t);
 }
 
@@ -209,9 +210,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   try {
     const at::Tensor space = workspace(kernels::cudnn_attention_backward_workspace_bytes(p), q);
     kernels::cudnn_attention_backward(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                      grad_o.data_ptr(), stats.data_ptr<float>(),
-                                      grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(),
-                                      space.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+                                      grad_o.data_ptr(), stats.data_ptr<float>(), grad_q.data_ptr(),
+                                      grad_k.data_ptr(), grad_v.data_ptr(), space.data_ptr(),
+                                      c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, op, ": ", e.what());
   }

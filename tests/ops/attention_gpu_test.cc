@@ -85,8 +85,7 @@ void expect_close_to_reference(const Shape& s, uint64_t seed) {
   const Inputs in = make_inputs(s, at::kBFloat16, seed);
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
   auto [out, logsumexp] = forward_op(in.q, in.k, in.v, scale);
-  auto [grad_q, grad_k, grad_v] =
-      backward_op(in.grad_out, in.q, in.k, in.v, out, logsumexp, scale);
+  auto [grad_q, grad_k, grad_v] = backward_op(in.grad_out, in.q, in.k, in.v, out, logsumexp, scale);
 
   auto [ref_out, ref_lse] = causal_attention_reference_forward(
       in.q.to(at::kFloat), in.k.to(at::kFloat), in.v.to(at::kFloat), scale);
@@ -166,8 +165,7 @@ TEST(CausalAttentionGpu, DeterministicBackwardIsBitExactOver100ReplaysUnderConte
   const Inputs in = make_inputs(s, at::kBFloat16, 7);
   const double scale = 1.0 / 16;
   auto [out, logsumexp] = forward_op(in.q, in.k, in.v, scale);
-  auto [grad_q, grad_k, grad_v] =
-      backward_op(in.grad_out, in.q, in.k, in.v, out, logsumexp, scale);
+  auto [grad_q, grad_k, grad_v] = backward_op(in.grad_out, in.q, in.k, in.v, out, logsumexp, scale);
   const GpuContention contention;
   for (int replay = 0; replay < 100; ++replay) {
     auto [o2, lse2] = forward_op(in.q, in.k, in.v, scale);
@@ -251,10 +249,10 @@ TEST(CausalAttentionGpu, ProblemsCudnnCannotRunTakeAtenSdpa) {
     EXPECT_EQ(why, "GDR_ATTENTION=aten");
   }
   {
-    // Deterministic mode at T = 49152: cuDNN's dP workspace (8 x 49152^2 BF16 = 36 GiB, plus its FP32 dQ accumulator)
-    // is over an eighth of the H200's memory, so ATen's FlashAttention path takes it; the
-    // default backward needs no such workspace and stays on cuDNN. Nothing runs here: the
-    // choice only builds the plans.
+    // Deterministic mode at T = 49152: cuDNN's dP workspace (8 x 49152^2 BF16 = 36 GiB, plus its
+    // FP32 dQ accumulator) is over an eighth of the H200's memory, so ATen's FlashAttention path
+    // takes it; the default backward needs no such workspace and stays on cuDNN. Nothing runs here:
+    // the choice only builds the plans.
     const Inputs in = make_inputs({1, 8, 2, 49152, 256}, at::kBFloat16, 14);
     {
       const DeterministicModeGuard deterministic(true);

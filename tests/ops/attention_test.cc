@@ -66,8 +66,8 @@ TEST(CausalAttentionReference, BackwardMatchesAutogradOfAtenSdpa) {
     expected_out.backward(grad_out);
 
     auto [out, logsumexp] = causal_attention_reference_forward(in.q, in.k, in.v, scale);
-    auto [grad_q, grad_k, grad_v] = causal_attention_reference_backward(
-        grad_out, in.q, in.k, in.v, out, logsumexp, scale);
+    auto [grad_q, grad_k, grad_v] =
+        causal_attention_reference_backward(grad_out, in.q, in.k, in.v, out, logsumexp, scale);
     EXPECT_LT(max_abs_diff(grad_q, q.grad()), 1e-11) << Hq << "/" << Hkv;
     EXPECT_LT(max_abs_diff(grad_k, k.grad()), 1e-11) << Hq << "/" << Hkv;
     EXPECT_LT(max_abs_diff(grad_v, v.grad()), 1e-11) << Hq << "/" << Hkv;
@@ -108,9 +108,9 @@ TEST(CausalAttention, CpuTensorsTakeAtenSdpa) {
     EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.3, &why), AttentionBackend::kAten);
     EXPECT_EQ(why, "GDR_ATTENTION=aten");
   }
-  EXPECT_TRUE(bitwise_equal(causal_attention(in.q, in.k, in.v, 0.3),
-                            at::scaled_dot_product_attention(in.q, in.k, in.v, {}, 0.0, true, 0.3,
-                                                             true)));
+  EXPECT_TRUE(
+      bitwise_equal(causal_attention(in.q, in.k, in.v, 0.3),
+                    at::scaled_dot_product_attention(in.q, in.k, in.v, {}, 0.0, true, 0.3, true)));
 }
 
 TEST(CausalAttention, RefusesAnUnknownSwitchValue) {
