@@ -18,6 +18,8 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <mutex>
+#include <optional>
 
 #include "ops/attention_internal.h"
 #include "ops/env_choice.h"
@@ -242,13 +244,41 @@ TORCH_LIBRARY_IMPL(gdr, CPU, m) {
   m.impl("causal_attention_backward", &backward_cpu);
 }
 
+namespace {
+
+std::mutex g_impl_mutex;
+std::optional<AttentionBackend> g_impl_override;
+
+}  // namespace
+
+AttentionBackend parse_attention_impl(const std::string& text, const std::string& source) {
+  if (text == "cudnn") return AttentionBackend::kCudnn;
+  if (text == "aten") return AttentionBackend::kAten;
+  TORCH_CHECK(false, source, ": expected cudnn or aten, but got '", text, "'");
+}
+
+void set_attention_impl(std::optional<AttentionBackend> impl) {
+  std::lock_guard<std::mutex> lock(g_impl_mutex);
+  g_impl_override = impl;
+}
+
+AttentionBackend attention_impl() {
+  {
+    std::lock_guard<std::mutex> lock(g_impl_mutex);
+    if (g_impl_override.has_value()) return *g_impl_override;
+  }
+  return env_picks_second("GDR_ATTENTION", "cudnn", "aten") ? AttentionBackend::kAten
+                                                            : AttentionBackend::kCudnn;
+}
+
 AttentionBackend attention_backend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    double scale, std::string* why_not_cudnn) {
   auto aten = [why_not_cudnn](std::string why) {
     if (why_not_cudnn != nullptr) *why_not_cudnn = std::move(why);
     return AttentionBackend::kAten;
   };
-  if (env_picks_second("GDR_ATTENTION", "cudnn", "aten")) return aten("GDR_ATTENTION=aten");
+  if (attention_impl() == AttentionBackend::kAten)
+    return aten("the attention implementation is aten");
   if (!q.is_cuda()) return aten("the tensors are not on a CUDA device");
   const at::ScalarType t = q.scalar_type();
   if (t != at::kBFloat16 && t != at::kHalf) return aten("cuDNN attention needs BFloat16 or Half");
@@ -264,7 +294,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (attention_backend(q, k, v, scale, &why) == AttentionBackend::kCudnn) {
     return CausalAttentionFunction::apply(q, k, v, scale)[0];
   }
-  if (q.is_cuda() && why != "GDR_ATTENTION=aten") {
+  if (q.is_cuda() && attention_impl() != AttentionBackend::kAten) {
     TORCH_WARN_ONCE("causal_attention: using ATen's scaled_dot_product_attention, not cuDNN: ",
                     why);
   }

@@ -8,7 +8,8 @@
 // in docs/benchmarks.md). The op here calls cuDNN directly and asks for its deterministic
 // backward when use_deterministic_mode() is true, so deterministic mode stops paying for
 // attention. It takes ATen's SDPA instead when
-//   - GDR_ATTENTION=aten (the switch; GDR_ATTENTION=cudnn or unset: cuDNN where it can),
+//   - attention_impl() says aten (GDR_ATTENTION=aten, or model.attention_impl: aten in a
+//     run config; cudnn or unset: cuDNN where it can),
 //   - the tensors are not CUDA, or not BF16/FP16,
 //   - or cuDNN cannot run the problem (head_dim not a multiple of 8 or above 256, rows not
 //     16-byte aligned, or cuDNN's own check refuses it): attention_backend() says why.
@@ -16,12 +17,22 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
 namespace gdr {
 
 enum class AttentionBackend { kCudnn, kAten };
+
+// The implementation asked for: the process-wide override if set (the model config's
+// attention_impl sets it through apply_gdr_core_settings), else GDR_ATTENTION
+// (cudnn | aten; unset or empty: cudnn), read at every call. kCudnn still falls back to
+// ATen's SDPA where cuDNN cannot run the inputs (attention_backend()).
+AttentionBackend attention_impl();
+void set_attention_impl(std::optional<AttentionBackend> impl);  // nullopt: back to the env
+// "cudnn" -> kCudnn, "aten" -> kAten; anything else an error naming `source`.
+AttentionBackend parse_attention_impl(const std::string& text, const std::string& source);
 
 // Which implementation causal_attention() takes for these inputs. When it is not cuDNN and
 // `why_not_cudnn` is given, that gets one line saying why.

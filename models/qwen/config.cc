@@ -212,6 +212,10 @@ const std::vector<Field>& model_fields() {
        [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
          return read_choice(n, k, s, {"kernel", "aten"}, &c.gdr_core_prep);
        }},
+      {"attention_impl", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_choice(n, k, s, {"cudnn", "aten"}, &c.attention_impl);
+       }},
   };
   return *fields;
 }

@@ -14,6 +14,9 @@
 //   gdr_core_prep: kernel | aten         its chunk preparation (ops/gdr_core.h); absent
 //       means GDR_CORE_IMPL / GDR_CORE_PREP or the op's default. Process-wide, applied by
 //       apply_gdr_core_settings() (models/qwen/model.h).
+//   attention_impl: cudnn | aten         the full-attention layers on CUDA: cuDNN's flash
+//       attention (with its deterministic backward in deterministic mode) or ATen's SDPA
+//       (ops/attention.h); absent means GDR_ATTENTION or cudnn. Process-wide, as above.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message
 // is "<file>: <key path>: <what is wrong>", e.g.
@@ -71,8 +74,9 @@ struct QwenConfig {
   // gdr keys.
   PreGdrFusion pre_gdr_fusion = PreGdrFusion::kGate;
   bool deterministic_mode = false;
-  std::string gdr_core_impl;  // "" (not set), "kernel" or "composite"
-  std::string gdr_core_prep;  // "" (not set), "kernel" or "aten"
+  std::string gdr_core_impl;   // "" (not set), "kernel" or "composite"
+  std::string gdr_core_prep;   // "" (not set), "kernel" or "aten"
+  std::string attention_impl;  // "" (not set), "cudnn" or "aten"
 
   // Derived sizes.
   int64_t linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/gdr_core.h"
 
@@ -187,6 +188,9 @@ void apply_gdr_core_settings(const QwenConfig& config) {
   }
   if (!config.gdr_core_prep.empty()) {
     set_gdr_core_prep(parse_gdr_core_prep(config.gdr_core_prep, "model.gdr_core_prep"));
+  }
+  if (!config.attention_impl.empty()) {
+    set_attention_impl(parse_attention_impl(config.attention_impl, "model.attention_impl"));
   }
 }
 

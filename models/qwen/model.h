@@ -119,10 +119,11 @@ constexpr int64_t kIgnoreIndex = -100;
 //   linear_attn.norm.weight (gated norm): 1
 void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed);
 
-// config.gdr_core_impl / gdr_core_prep, when set, become the process-wide GDR core
-// switches (set_gdr_core_impl / set_gdr_core_prep in ops/gdr_core.h), overriding the
-// GDR_CORE_IMPL / GDR_CORE_PREP environment variables; unset keys leave the switches
-// alone. Call once at start-up, before the model runs (the trainer does).
+// config.gdr_core_impl / gdr_core_prep / attention_impl, when set, become the
+// process-wide switches of the GDR core and the attention op (set_gdr_core_impl /
+// set_gdr_core_prep in ops/gdr_core.h, set_attention_impl in ops/attention.h), overriding
+// the GDR_CORE_IMPL / GDR_CORE_PREP / GDR_ATTENTION environment variables; unset keys
+// leave the switches alone. Call once at start-up, before the model runs (the trainer does).
 void apply_gdr_core_settings(const QwenConfig& config);
 
 }  // namespace gdr

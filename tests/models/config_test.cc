@@ -237,12 +237,15 @@ TEST(QwenConfig, GdrCoreSwitchesLoadAndDefaultToUnset) {
   ASSERT_TRUE(unset.ok()) << unset.status();
   EXPECT_EQ(unset->gdr_core_impl, "");
   EXPECT_EQ(unset->gdr_core_prep, "");
-  const std::string path =
-      write_file("core.yaml", with_lines("  gdr_core_impl: composite\n  gdr_core_prep: kernel\n"));
+  EXPECT_EQ(unset->attention_impl, "");
+  const std::string path = write_file(
+      "core.yaml",
+      with_lines("  gdr_core_impl: composite\n  gdr_core_prep: kernel\n  attention_impl: aten\n"));
   const absl::StatusOr<QwenConfig> config = load_qwen_config_yaml(path);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->gdr_core_impl, "composite");
   EXPECT_EQ(config->gdr_core_prep, "kernel");
+  EXPECT_EQ(config->attention_impl, "aten");
 }
 
 TEST(QwenConfig, AnUnknownGdrCoreSwitchValueIsAnError) {
@@ -252,6 +255,10 @@ TEST(QwenConfig, AnUnknownGdrCoreSwitchValueIsAnError) {
   const std::string prep = write_file("prep_bad.yaml", with_lines("  gdr_core_prep: kernels\n"));
   EXPECT_EQ(load_qwen_config_yaml(prep).status().message(),
             prep + ": model.gdr_core_prep: expected one of kernel, aten but got 'kernels'");
+  const std::string attention =
+      write_file("attention_bad.yaml", with_lines("  attention_impl: flash\n"));
+  EXPECT_EQ(load_qwen_config_yaml(attention).status().message(),
+            attention + ": model.attention_impl: expected one of cudnn, aten but got 'flash'");
 }
 
 TEST(QwenConfig, AHuggingFaceModelWithAttentionBiasIsRejected) {

@@ -106,11 +106,29 @@ TEST(CausalAttention, CpuTensorsTakeAtenSdpa) {
   {
     const ScopedEnv aten("GDR_ATTENTION", "aten");
     EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.3, &why), AttentionBackend::kAten);
-    EXPECT_EQ(why, "GDR_ATTENTION=aten");
+    EXPECT_EQ(why, "the attention implementation is aten");
   }
   EXPECT_TRUE(
       bitwise_equal(causal_attention(in.q, in.k, in.v, 0.3),
                     at::scaled_dot_product_attention(in.q, in.k, in.v, {}, 0.0, true, 0.3, true)));
+}
+
+TEST(CausalAttention, OverrideTakesPrecedenceOverTheEnvironment) {
+  const ScopedEnv aten("GDR_ATTENTION", "aten");
+  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
+  set_attention_impl(AttentionBackend::kCudnn);
+  EXPECT_EQ(attention_impl(), AttentionBackend::kCudnn);
+  set_attention_impl(std::nullopt);
+  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
+  set_attention_impl(AttentionBackend::kAten);
+  {
+    const ScopedEnv cudnn("GDR_ATTENTION", "cudnn");
+    EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
+  }
+  set_attention_impl(std::nullopt);
+  EXPECT_EQ(parse_attention_impl("cudnn", "x"), AttentionBackend::kCudnn);
+  EXPECT_EQ(error_of([] { parse_attention_impl("flash", "model.attention_impl"); }),
+            "model.attention_impl: expected cudnn or aten, but got 'flash'");
 }
 
 TEST(CausalAttention, RefusesAnUnknownSwitchValue) {
