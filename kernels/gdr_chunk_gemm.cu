@@ -18,24 +18,18 @@ std::atomic<int64_t> g_launches{0};
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-// Three blocks per SM (68 KiB of shared memory each with the planes, 36 KiB without): at
-// most 168 registers.
-template <bool TA, bool TB, bool kRegisterSplit>
+// Three blocks per SM (68 KiB of shared memory each): at most 168 registers.
+template <bool TA, bool TB>
 __global__ void __launch_bounds__(kThreads, 3) chunk_gemm_kernel(const ChunkGemmArgs args) {
   extern __shared__ __align__(16) float chunk_gemm_smem[];
-  chunk_gemm_block<TA, TB, kRegisterSplit>(args, chunk_gemm_smem);
-}
-
-template <bool kRegisterSplit>
-constexpr int shared_bytes() {
-  return kRegisterSplit ? kChunkGemmRawSharedBytes : kChunkGemmSharedBytes;
+  chunk_gemm_block<TA, TB>(args, chunk_gemm_smem);
 }
 
 // Grants the kernel its dynamic shared memory (above the 48 KiB default) and the largest
 // shared-memory carveout (three blocks per SM), once per device: cudaFuncSetAttribute is
 // per device and not a stream operation, so this is also safe while a stream is being
 // captured. Returns the error of a refusal (then every launch on that device fails).
-template <bool TA, bool TB, bool kRegisterSplit>
+template <bool TA, bool TB>
 cudaError_t prepare_kernel() {
   constexpr int kMaxDevices = 64;
   // 0: not tried yet; else 1 + the outcome (a cudaError_t).
@@ -46,11 +40,11 @@ cudaError_t prepare_kernel() {
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
   int s = state[device].load(std::memory_order_acquire);
   if (s == 0) {
-    error = cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB, kRegisterSplit>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 shared_bytes<kRegisterSplit>());
+    error =
+        cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kChunkGemmSharedBytes);
     if (error == cudaSuccess) {
-      error = cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB, kRegisterSplit>,
+      error = cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -61,21 +55,13 @@ cudaError_t prepare_kernel() {
   return static_cast<cudaError_t>(s - 1);
 }
 
-template <bool TA, bool TB, bool kRegisterSplit>
-int launch_variant(const ChunkGemmArgs& args, int64_t blocks, CUstream_st* stream) {
-  const cudaError_t prepared = prepare_kernel<TA, TB, kRegisterSplit>();
-  if (prepared != cudaSuccess) return static_cast<int>(prepared);
-  chunk_gemm_kernel<TA, TB, kRegisterSplit>
-      <<<static_cast<unsigned int>(blocks), kThreads, shared_bytes<kRegisterSplit>(), stream>>>(
-          args);
-  return static_cast<int>(cudaGetLastError());
-}
-
 template <bool TA, bool TB>
 int launch(const ChunkGemmArgs& args, int64_t blocks, CUstream_st* stream) {
-  return args.split == ChunkGemmSplit::kRegisters
-             ? launch_variant<TA, TB, true>(args, blocks, stream)
-             : launch_variant<TA, TB, false>(args, blocks, stream);
+  const cudaError_t prepared = prepare_kernel<TA, TB>();
+  if (prepared != cudaSuccess) return static_cast<int>(prepared);
+  chunk_gemm_kernel<TA, TB>
+      <<<static_cast<unsigned int>(blocks), kThreads, kChunkGemmSharedBytes, stream>>>(args);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace

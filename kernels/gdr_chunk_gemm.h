@@ -72,14 +72,7 @@ struct ChunkGemmProduct {
   int k = 0;
 };
 
-// Where each warp gets its TF32 big / small operand parts (Note [Chunk GEMM tiling]):
-// kRegisters, the default, splits the FP32 fragments it loads from the raw stage itself;
-// kPlanes splits every staged element once per block into shared-memory planes that the
-// warps then load. The same splits feed the same mma sequence, so both give the same bits.
-enum class ChunkGemmSplit { kRegisters, kPlanes };
-
 struct ChunkGemmArgs {
-  ChunkGemmSplit split = ChunkGemmSplit::kRegisters;
   int64_t batch = 0;
   int m = 0;  // rows of C, a multiple of kChunkGemmTileM
   int n = 0;  // columns of C, a multiple of 16
@@ -112,11 +105,9 @@ inline bool chunk_gemm_supports(const ChunkGemmArgs& args) {
          args.n % 16 == 0 && chunk_gemm_blocks(args) <= 0x7fffffffLL;
 }
 
-// Dynamic shared memory of one block: the raw FP32 slabs (two stages), and with
-// ChunkGemmSplit::kPlanes the TF32 planes after them.
-constexpr int kChunkGemmRawSharedBytes = 4 * kChunkGemmTileM * (kChunkGemmSlabK + 4) * 4;
+// Dynamic shared memory of one block (raw FP32 slabs, two stages, and the TF32 planes).
 constexpr int kChunkGemmSharedBytes =
-    kChunkGemmRawSharedBytes + 4 * kChunkGemmTileM * kChunkGemmSlabK * 4;
+    (4 * kChunkGemmTileM * (kChunkGemmSlabK + 4) + 4 * kChunkGemmTileM * kChunkGemmSlabK) * 4;
 
 // Launches the GEMM on `stream`. Returns a cudaError_t as int (cudaSuccess = 0);
 // unsupported arguments (chunk_gemm_supports false, null pointers) return

@@ -34,21 +34,15 @@
 //      values from the raw stage with 32-bit loads and stores two 16-byte groups;
 //   3. mma: per k-step a warp loads its 2 A groups and 2 B pair groups per plane (8
 //      16-byte loads) and issues 2 x 4 x 3 mma.sync.
-// That is ChunkGemmSplit::kPlanes. Splitting once per block costs shared-memory traffic:
-// the planes hold two words per element, so a slab moves 128 KiB through shared memory
-// (kernels/gdr_chunk_gemm.h's roofline). The default, ChunkGemmSplit::kRegisters, skips the
-// planes: per k-step a warp loads its 2 A fragments and 4 B fragments as FP32 from the raw
-// stage (16 32-bit loads per lane, the gathers of step 2) and splits them in registers, then
-// issues the same 2 x 4 x 3 mma.sync. Each element is split by the two warps that read it
-// instead of once, but a slab moves ~2.7x less through shared memory and needs one barrier
-// instead of two. The splits are the same function of the same FP32 values and feed the
-// same mma sequence, so the two variants give the same bits (tested bitwise, CPU
-// emulation and GPU).
-// Barriers (kPlanes): wait + barrier before step 2 (the slab landed; the previous step 3 is
-// done with the planes), barrier before step 3 (the planes are written). One plane stage
-// and two raw stages: 68 KiB of shared memory, three blocks (12 warps) per SM on sm_90.
-// kRegisters: wait + barrier before the mma steps (the slab landed; every warp is done with
-// the stage the next slab will overwrite); 36 KiB, three blocks per SM (registers).
+// Splitting once per block costs shared-memory traffic: the planes hold two words per
+// element, so a slab moves 128 KiB through shared memory (kernels/gdr_chunk_gemm.h's
+// roofline). Splitting FP32 fragments in each warp at the load instead (as the scan kernel
+// does for its staged operands) would move ~2.7x less for twice the conversions (each
+// element is read by two warps): the A/B to try if the GPU shows this kernel bound by
+// shared memory.
+// Barriers: wait + barrier before step 2 (the slab landed; the previous step 3 is done
+// with the planes), barrier before step 3 (the planes are written). One plane stage and two
+// raw stages: 68 KiB of shared memory, three blocks (12 warps) per SM on sm_90.
 // Bank conflicts: raw stages keep the stored layout with pitch 36 floats where the
 // fragment's row index g = lane / 4 runs down the stage's rows (A [m][k], B^T [n][k]) and
 // 72 where it runs along them (A^T [k][m], B [k][n]), so the split's gathers hit bank
@@ -108,7 +102,6 @@ constexpr int kBBig = kASmall + kPlaneWords;
 constexpr int kBSmall = kBBig + kPlaneWords;
 constexpr int kSharedFloats = kBSmall + kPlaneWords;
 static_assert(kSharedFloats * 4 == kChunkGemmSharedBytes, "kernels/gdr_chunk_gemm.h");
-static_assert(kABig * 4 == kChunkGemmRawSharedBytes, "kernels/gdr_chunk_gemm.h");
 
 // Four 32-bit words (one 16-byte shared access); two floats (one 8-byte global store).
 struct alignas(16) U32x4 {
@@ -177,10 +170,9 @@ __device__ __forceinline__ U32x4 get_group(const uint32_t* plane, int group) {
 // ----------------------------------------------------------------------------
 // The block body (the __global__ wrapper is in kernels/gdr_chunk_gemm.cu)
 
-// TA / TB: args.transpose_a / args.transpose_b; kRegisterSplit: args.split ==
-// ChunkGemmSplit::kRegisters. smem: kSharedFloats floats (kABig, the raw stages alone,
-// with kRegisterSplit), 16-byte aligned.
-template <bool TA, bool TB, bool kRegisterSplit>
+// TA / TB: args.transpose_a / args.transpose_b. smem: kSharedFloats floats, 16-byte
+// aligned.
+template <bool TA, bool TB>
 __device__ __forceinline__ void chunk_gemm_block(const ChunkGemmArgs& args, float* smem) {
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -312,63 +304,16 @@ __device__ __forceinline__ void chunk_gemm_block(const ChunkGemmArgs& args, floa
     }
   };
 
-  // The raw stage's fragments, split in registers, into the accumulators (kRegisterSplit):
-  // the values and the mma order of split_slab + mma_slab, without the planes.
-  auto mma_raw = [&](int stage, int ksteps) {
-    const float* const raw_a = smem + kRawA + stage * 2 * kRawFloats;
-    const float* const raw_b = smem + kRawB + stage * 2 * kRawFloats;
-    auto a_at = [&](int r, int k) {
-      return TA ? raw_a[k * kPitchKOuter + r] : raw_a[r * kPitchKInner + k];
-    };
-    auto b_at = [&](int k, int c) {
-      return TB ? raw_b[c * kPitchKInner + k] : raw_b[k * kPitchKOuter + c];
-    };
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      if (ks < ksteps) {
-        const int k = 8 * ks + t;
-        uint32_t bb[4][2], bs[4][2];  // n-tile j: columns 32 wn + 8 j + (0..7)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (pair_ok[j / 2]) {
-            const int c = 32 * wn + 8 * j + g;
-            split_tf32(b_at(k, c), bb[j][0], bs[j][0]);
-            split_tf32(b_at(k + 4, c), bb[j][1], bs[j][1]);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {  // m-tile i: rows 32 wm + 16 i + (0..15)
-          const int r = 32 * wm + 16 * i + g;
-          uint32_t ab[4], as[4];
-          split_tf32(a_at(r, k), ab[0], as[0]);
-          split_tf32(a_at(r + 8, k), ab[1], as[1]);
-          split_tf32(a_at(r, k + 4), ab[2], as[2]);
-          split_tf32(a_at(r + 8, k + 4), ab[3], as[3]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (pair_ok[j / 2]) mma_3xtf32(acc[i][j], ab, as, bb[j], bs[j]);
-          }
-        }
-      }
-    }
-  };
-
   stage_slab(0, 0);
   for (int s = 0; s < slabs; ++s) {
     const int stage = s % 2;
-    const int ksteps = slab_depth(s) / 8;
     cp_async_wait_all();
-    if constexpr (kRegisterSplit) {
-      __syncthreads();  // slab s landed; every warp is done with slab s - 1's stage
-      if (s + 1 < slabs) stage_slab(s + 1, stage ^ 1);
-      mma_raw(stage, ksteps);
-    } else {
-      __syncthreads();  // slab s landed; the previous mma_slab is done with the planes
-      if (s + 1 < slabs) stage_slab(s + 1, stage ^ 1);  // its stage was last read by split s - 1
-      split_slab(stage, ksteps);
-      __syncthreads();  // the planes hold slab s
-      mma_slab(ksteps);
-    }
+    __syncthreads();  // slab s landed; the previous mma_slab is done with the planes
+    if (s + 1 < slabs) stage_slab(s + 1, stage ^ 1);  // its stage was last read by split s - 1
+    const int ksteps = slab_depth(s) / 8;
+    split_slab(stage, ksteps);
+    __syncthreads();  // the planes hold slab s
+    mma_slab(ksteps);
   }
 
   // Epilogue: accumulator element e of tile (i, j) is row 32 wm + 16 i + g + 8 (e / 2),

@@ -26,7 +26,6 @@
 #include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
-#include "ops/env_choice.h"
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
@@ -80,19 +79,10 @@ bool gemm_tensor_cores_allowed() {
 // and raising launch errors. Shapes kernels::chunk_gemm_supports refuses (none that the
 // scan accepts, short of a batch over 2^31 - 1 blocks) stay on at::bmm
 // (chunk_state_internal::gemm_product in ops/gdr_chunk_state.cc).
-// GDR_CHUNK_GEMM_SPLIT=registers|planes picks where the GEMM's warps split their operands
-// (kernels::ChunkGemmSplit; registers, the default, or the shared-memory planes): the same
-// bits either way, so this is a speed A/B only. Read once per op call.
 chunk_state_internal::ChunkGemmLauncher gemm_launcher(const char* what) {
   if (!gemm_tensor_cores_allowed()) return {};
-  const kernels::ChunkGemmSplit split =
-      env_picks_second("GDR_CHUNK_GEMM_SPLIT", "registers", "planes")
-          ? kernels::ChunkGemmSplit::kPlanes
-          : kernels::ChunkGemmSplit::kRegisters;
-  return [what, split](const kernels::ChunkGemmArgs& args) {
-    kernels::ChunkGemmArgs with_split = args;
-    with_split.split = split;
-    check_launch(kernels::launch_chunk_gemm(with_split, c10::cuda::getCurrentCUDAStream().stream()),
+  return [what](const kernels::ChunkGemmArgs& args) {
+    check_launch(kernels::launch_chunk_gemm(args, c10::cuda::getCurrentCUDAStream().stream()),
                  what);
   };
 }

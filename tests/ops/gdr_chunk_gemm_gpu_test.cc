@@ -5,8 +5,7 @@
 // bit-identical replays of each product while another stream loads the GPU; the chunk
 // state pass op (forward and backward through autograd) with GDR_CHUNK_GEMM_TC=1 (the
 // kernel) against =0 (at::bmm, cuBLAS FP32) and the FP64 CPU reference op; the refusal of
-// an unknown GDR_CHUNK_GEMM_TC value; the register-split and plane-split variants giving
-// the same bits.
+// an unknown GDR_CHUNK_GEMM_TC value.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -55,11 +54,9 @@ struct Product {
 at::Tensor op(const at::Tensor& x, bool transpose) { return transpose ? x.transpose(1, 2) : x; }
 
 // The kernel on the current stream: alpha * sum of op(a) op(b) into a fresh [batch, M, N].
-at::Tensor run_kernel(const Product& p,
-                      kernels::ChunkGemmSplit split = kernels::ChunkGemmSplit::kRegisters) {
+at::Tensor run_kernel(const Product& p) {
   const Term& first = p.terms.front();
   kernels::ChunkGemmArgs args;
-  args.split = split;
   args.batch = first.a.size(0);
   args.m = static_cast<int>(op(first.a, p.ta).size(1));
   args.n = static_cast<int>(op(first.b, p.tb).size(2));
@@ -163,18 +160,6 @@ TEST(ChunkGemmGpu, EveryStatePassProductMatchesFp64WithinThe3xTf32Bound) {
       EXPECT_FALSE(at::isnan(got).any().item<bool>()) << context;
       EXPECT_LE(ratio, 1.0) << context << ": an element outside the 3xTF32 bound";
       EXPECT_LE(rel, 1e-5) << context << ": not FP32-level";
-    }
-  }
-}
-
-// ChunkGemmSplit: splitting the fragments in registers (the default) and splitting once into
-// shared-memory planes feed the same mma sequence the same operands: the same bits.
-TEST(ChunkGemmGpu, RegisterAndPlaneSplitsGiveTheSameBits) {
-  for (const auto& [dk, dv] : {std::pair<int64_t, int64_t>{128, 128}, {64, 64}, {256, 128}}) {
-    for (const Product& p : state_pass_products(37, dk, dv, 21 + dk)) {
-      const at::Tensor registers = run_kernel(p, kernels::ChunkGemmSplit::kRegisters);
-      const at::Tensor planes = run_kernel(p, kernels::ChunkGemmSplit::kPlanes);
-      EXPECT_TRUE(bitwise_equal(registers, planes)) << p.name << " dk " << dk << " dv " << dv;
     }
   }
 }

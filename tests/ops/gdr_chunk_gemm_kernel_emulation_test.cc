@@ -92,20 +92,12 @@ void run_emulated_gemm(const ChunkGemmArgs& args) {
         blockIdx.x = static_cast<unsigned>(b);
         threadIdx.x = static_cast<unsigned>(t);
         using namespace chunk_gemm_detail;
-        if (args.split == ChunkGemmSplit::kRegisters) {
-          if (args.transpose_a) {
-            args.transpose_b ? chunk_gemm_block<true, true, true>(args, aligned)
-                             : chunk_gemm_block<true, false, true>(args, aligned);
-          } else {
-            args.transpose_b ? chunk_gemm_block<false, true, true>(args, aligned)
-                             : chunk_gemm_block<false, false, true>(args, aligned);
-          }
-        } else if (args.transpose_a) {
-          args.transpose_b ? chunk_gemm_block<true, true, false>(args, aligned)
-                           : chunk_gemm_block<true, false, false>(args, aligned);
+        if (args.transpose_a) {
+          args.transpose_b ? chunk_gemm_block<true, true>(args, aligned)
+                           : chunk_gemm_block<true, false>(args, aligned);
         } else {
-          args.transpose_b ? chunk_gemm_block<false, true, false>(args, aligned)
-                           : chunk_gemm_block<false, false, false>(args, aligned);
+          args.transpose_b ? chunk_gemm_block<false, true>(args, aligned)
+                           : chunk_gemm_block<false, false>(args, aligned);
         }
       });
     }
@@ -202,19 +194,8 @@ TEST_P(ChunkGemmKernelEmulation, MatchesAnFp64LoopWithinThe3xTf32Bound) {
   args.c = out.data.data() + out.offset;
   args.c_stride_batch = out.batch_stride;
   args.c_stride_row = out.pitch;
-  // The shared-memory planes variant first, on a copy of C: it must give the default's
-  // bits (ChunkGemmSplit: the same splits in the same mma order).
-  Matrix planes_out = out;
-  ChunkGemmArgs planes_args = args;
-  planes_args.split = ChunkGemmSplit::kPlanes;
-  planes_args.c = planes_out.data.data() + planes_out.offset;
-  run_emulated_gemm(planes_args);
   g_mma_count = 0;
-  ASSERT_EQ(args.split, ChunkGemmSplit::kRegisters);  // the default
   run_emulated_gemm(args);
-  ASSERT_EQ(out.data.size(), planes_out.data.size());
-  EXPECT_EQ(std::memcmp(out.data.data(), planes_out.data.data(), out.data.size() * 4), 0)
-      << "the register-split and shared-memory-plane variants differ in some bit";
   // Warp 0 owns 2 x 4 mma tiles (fewer where its columns pass N) and issues 3 mmas per
   // tile and k-step of every product, in every block.
   EXPECT_GT(g_mma_count, 0) << "the tensor-core path did not run";
