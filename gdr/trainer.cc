@@ -24,7 +24,9 @@
 #include "io/file_util.h"
 #include "models/qwen/deterministic_mode.h"
 #include "models/qwen/model.h"
+#include "ops/attention.h"
 #include "ops/fused_adamw.h"
+#include "ops/gdr_core.h"
 
 namespace gdr {
 namespace {
@@ -115,6 +117,42 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
     line += buf;
   }
   if (s.skipped) line += " (skipped: non-finite)";
+  return line;
+}
+
+std::string format_run_header(const RunConfig& config, int64_t parameters, int world,
+                              int64_t first_step) {
+  const QwenConfig& m = config.model;
+  const TrainConfig& t = config.train;
+  int64_t linear = 0;
+  for (const std::string& type : m.layer_types) linear += type == "linear_attention" ? 1 : 0;
+  const int64_t full = static_cast<int64_t>(m.layer_types.size()) - linear;
+  const double p = static_cast<double>(parameters);
+  const std::string size = p >= 1e9   ? absl::StrFormat("%.2fB", p / 1e9)
+                           : p >= 1e6 ? absl::StrFormat("%.1fM", p / 1e6)
+                           : p >= 1e3 ? absl::StrFormat("%.1fK", p / 1e3)
+                                      : absl::StrCat(parameters);
+  const bool cuda = t.device == TrainDevice::kCuda;
+  const char* fusion = m.pre_gdr_fusion == PreGdrFusion::kNone   ? "none"
+                       : m.pre_gdr_fusion == PreGdrFusion::kGate ? "gate"
+                                                                 : "full";
+  std::string line = absl::StrCat(
+      "run: ", size, " parameters (", m.num_hidden_layers, " layers: ", linear,
+      " linear_attention + ", full, " full_attention, hidden ", m.hidden_size, ") | ",
+      cuda ? "cuda" : "cpu", " ", t.dtype == TrainDtype::kBFloat16 ? "bf16" : "fp32",
+      " | deterministic ", m.deterministic_mode ? "on" : "off", " | pre_gdr_fusion ", fusion);
+  if (cuda) {
+    absl::StrAppend(&line, " | gdr core ", to_string(gdr_core_impl()), ", prep ",
+                    to_string(gdr_core_prep()), " | attention ",
+                    attention_impl() == AttentionBackend::kCudnn ? "cudnn" : "aten");
+  }
+  const int64_t tokens = static_cast<int64_t>(world) * t.grad_accum * config.data.micro_batch_size *
+                         config.data.seq_len;
+  absl::StrAppend(&line, " | ", tokens, " tokens per step (", world,
+                  world == 1 ? " rank" : " ranks", " x ", t.grad_accum,
+                  t.grad_accum == 1 ? " microbatch" : " microbatches", " x ",
+                  config.data.micro_batch_size, " x ", config.data.seq_len, ") | steps ",
+                  first_step, "..", t.steps);
   return line;
 }
 
@@ -868,6 +906,12 @@ absl::Status Trainer::run(std::ostream& log) {
       return absl::FailedPreconditionError(
           absl::StrCat(tc.metrics_path, ": cannot open the metrics file for appending"));
     }
+  }
+  if (rank0 && impl_->step < tc.steps) {
+    int64_t parameters = 0;
+    for (const at::Tensor& p : impl_->params) parameters += p.numel();
+    log << format_run_header(impl_->config, parameters, impl_->world(), impl_->step + 1)
+        << std::endl;
   }
   while (impl_->step < tc.steps) {
     absl::StatusOr<StepStats> stats = train_step();

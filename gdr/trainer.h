@@ -78,6 +78,16 @@ double learning_rate_at(const RunConfig& config, int64_t step);
 // "step 3/20 loss 4.1234 lr 1.00e-03 grad_norm 1.23 tokens/s 12345 step_time 0.123s"
 std::string format_progress_line(const StepStats& stats, int64_t total_steps);
 
+// The line Trainer::run prints first (rank 0), saying what is about to run: size, device,
+// precision, determinism, the kernel switches in effect (CUDA only: CPU runs the
+// composites) and the step's tokens, e.g.
+// "run: 0.85B parameters (24 layers: 18 linear_attention + 6 full_attention, hidden 1024) |
+//  cuda bf16 | deterministic on | pre_gdr_fusion gate | gdr core kernel, prep kernel |
+//  attention cudnn | 8192 tokens per step (1 rank x 4 microbatches x 1 x 2048) |
+//  steps 1..30"
+std::string format_run_header(const RunConfig& config, int64_t parameters, int world,
+                              int64_t first_step);
+
 class Trainer {
  public:
   // Applies deterministic mode, opens the data, builds and initialises the model.

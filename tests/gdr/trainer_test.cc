@@ -247,6 +247,13 @@ TEST(TrainerTest, RunLogsProgressAndLearns) {
   ASSERT_TRUE(t->run(log).ok());
   EXPECT_EQ(t->step(), 20);
   EXPECT_NE(log.str().find("step 20/20 loss "), std::string::npos) << log.str();
+  // The first line says what runs (format_run_header).
+  const std::string first_line = log.str().substr(0, log.str().find('\n'));
+  EXPECT_EQ(first_line,
+            "run: 184.0K parameters (4 layers: 3 linear_attention + 1 full_attention, hidden 64) "
+            "| cpu fp32 | deterministic on | pre_gdr_fusion gate | 512 tokens per step (1 rank x "
+            "2 microbatches x 4 x 64) | steps 1..20")
+      << log.str();
   // The loss read back from the metrics file: the mean of the last 5 steps is well below
   // the first 3 (about 5.4 -> 3.3 on this config).
   std::ifstream metrics(config.train.metrics_path);
