@@ -10,6 +10,8 @@
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
+
 #include <cstring>
 #include <map>
 #include <memory>
@@ -36,6 +38,11 @@ void load_cudnn() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
+    // The frontend opens the CUDA runtime itself for its few runtime calls, trying
+    // libcudart.so.12 before .13 and taking the first when both are installed: name the
+    // major version this binary runs (a value the user set wins).
+    const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+    setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), /*overwrite=*/0);
     void* handle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_GLOBAL);
     if (handle == nullptr) {
       const char* why = dlerror();

@@ -9,11 +9,13 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -225,6 +227,16 @@ TEST(CausalAttentionGpu, CapturedInACudaGraphGivesTheEagerBits) {
     EXPECT_TRUE(bitwise_equal(gk, eager_gk));
     EXPECT_TRUE(bitwise_equal(gv, eager_gv));
   }
+}
+
+// cuDNN's frontend opens the CUDA runtime by name; kernels/cudnn_attention.cc names the
+// major version this binary was built for before the first use.
+TEST(CausalAttentionGpu, TellsTheFrontendWhichCudaRuntimeToOpen) {
+  const Inputs in = make_inputs({1, 2, 1, 64, 64}, at::kBFloat16, 15);
+  ASSERT_EQ(attention_backend(in.q, in.k, in.v, 0.125), AttentionBackend::kCudnn);
+  const char* name = std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME");
+  ASSERT_NE(name, nullptr);
+  EXPECT_EQ(std::string(name), "libcudart.so." + std::to_string(CUDART_VERSION / 1000));
 }
 
 TEST(CausalAttentionGpu, ProblemsCudnnCannotRunTakeAtenSdpa) {
