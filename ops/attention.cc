@@ -18,7 +18,6 @@
 #include <torch/library.h>
 
 #include <limits>
-#include <mutex>
 #include <optional>
 
 #include "ops/attention_internal.h"
@@ -244,32 +243,25 @@ TORCH_LIBRARY_IMPL(gdr, CPU, m) {
   m.impl("causal_attention_backward", &backward_cpu);
 }
 
-namespace {
-
-std::mutex g_impl_mutex;
-std::optional<AttentionBackend> g_impl_override;
-
-}  // namespace
-
 AttentionBackend parse_attention_impl(const std::string& text, const std::string& source) {
   if (text == "cudnn") return AttentionBackend::kCudnn;
   if (text == "aten") return AttentionBackend::kAten;
   TORCH_CHECK(false, source, ": expected cudnn or aten, but got '", text, "'");
 }
 
-void set_attention_impl(std::optional<AttentionBackend> impl) {
-  std::lock_guard<std::mutex> lock(g_impl_mutex);
-  g_impl_override = impl;
+namespace {
+
+OverridableSwitch<AttentionBackend>& impl_switch() {
+  static OverridableSwitch<AttentionBackend> s("GDR_ATTENTION", AttentionBackend::kCudnn,
+                                               parse_attention_impl);
+  return s;
 }
 
-AttentionBackend attention_impl() {
-  {
-    std::lock_guard<std::mutex> lock(g_impl_mutex);
-    if (g_impl_override.has_value()) return *g_impl_override;
-  }
-  return env_picks_second("GDR_ATTENTION", "cudnn", "aten") ? AttentionBackend::kAten
-                                                            : AttentionBackend::kCudnn;
-}
+}  // namespace
+
+void set_attention_impl(std::optional<AttentionBackend> impl) { impl_switch().set_override(impl); }
+
+AttentionBackend attention_impl() { return impl_switch().get(); }
 
 AttentionBackend attention_backend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    double scale, std::string* why_not_cudnn) {

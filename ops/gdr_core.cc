@@ -19,12 +19,12 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <mutex>
 #include <tuple>
 #include <vector>
 
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
+#include "ops/env_choice.h"
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
 
@@ -128,26 +128,21 @@ class ChunksToTokens : public torch::autograd::Function<ChunksToTokens> {
   }
 };
 
-std::mutex g_impl_mutex;
-std::optional<GdrCoreImpl> g_impl_override;
 std::atomic<int> g_last_step7{static_cast<int>(GdrCoreImpl::kComposite)};
 std::atomic<bool> g_op_on_cpu_for_testing{false};
-std::optional<GdrCorePrep> g_prep_override;  // guarded by g_impl_mutex
 std::atomic<int> g_last_prep{static_cast<int>(GdrCorePrep::kAten)};
 std::atomic<bool> g_prep_op_on_cpu_for_testing{false};
 
-// Both switches resolve alike, at every call: the in-process override, then the
-// environment variable (empty = unset), then the default.
-template <typename Choice>
-Choice resolve_switch(const std::optional<Choice>& override_value, const char* env_name,
-                      Choice fallback, Choice (*parse)(const std::string&, const std::string&)) {
-  {
-    std::lock_guard<std::mutex> lock(g_impl_mutex);
-    if (override_value.has_value()) return *override_value;
-  }
-  const char* env = std::getenv(env_name);
-  if (env == nullptr || env[0] == '\0') return fallback;
-  return parse(env, env_name);
+OverridableSwitch<GdrCoreImpl>& impl_switch() {
+  static OverridableSwitch<GdrCoreImpl> s("GDR_CORE_IMPL", GdrCoreImpl::kKernel,
+                                          parse_gdr_core_impl);
+  return s;
+}
+
+OverridableSwitch<GdrCorePrep>& prep_switch() {
+  static OverridableSwitch<GdrCorePrep> s("GDR_CORE_PREP", GdrCorePrep::kKernel,
+                                          parse_gdr_core_prep);
+  return s;
 }
 
 // Steps 1-6 by the chunk_prep op: only where its CUDA kernels apply (see the header), or
@@ -200,15 +195,9 @@ GdrCoreImpl parse_gdr_core_impl(const std::string& text, const std::string& sour
   TORCH_CHECK(false, source, ": expected kernel or composite, but got '", text, "'");
 }
 
-void set_gdr_core_impl(std::optional<GdrCoreImpl> impl) {
-  std::lock_guard<std::mutex> lock(g_impl_mutex);
-  g_impl_override = impl;
-}
+void set_gdr_core_impl(std::optional<GdrCoreImpl> impl) { impl_switch().set_override(impl); }
 
-GdrCoreImpl gdr_core_impl() {
-  return resolve_switch(g_impl_override, "GDR_CORE_IMPL", GdrCoreImpl::kKernel,
-                        parse_gdr_core_impl);
-}
+GdrCoreImpl gdr_core_impl() { return impl_switch().get(); }
 
 GdrCoreImpl gdr_core_last_step7() { return static_cast<GdrCoreImpl>(g_last_step7.load()); }
 
@@ -222,15 +211,9 @@ GdrCorePrep parse_gdr_core_prep(const std::string& text, const std::string& sour
   TORCH_CHECK(false, source, ": expected kernel or aten, but got '", text, "'");
 }
 
-void set_gdr_core_prep(std::optional<GdrCorePrep> prep) {
-  std::lock_guard<std::mutex> lock(g_impl_mutex);
-  g_prep_override = prep;
-}
+void set_gdr_core_prep(std::optional<GdrCorePrep> prep) { prep_switch().set_override(prep); }
 
-GdrCorePrep gdr_core_prep() {
-  return resolve_switch(g_prep_override, "GDR_CORE_PREP", GdrCorePrep::kKernel,
-                        parse_gdr_core_prep);
-}
+GdrCorePrep gdr_core_prep() { return prep_switch().get(); }
 
 GdrCorePrep gdr_core_last_prep() { return static_cast<GdrCorePrep>(g_last_prep.load()); }
 
