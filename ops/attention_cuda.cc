@@ -32,17 +32,19 @@ kernels::AttentionStrides strides_of(const at::Tensor& t) {
 
 // The layout the forward gives its output and the backward its gradient of it:
 // [B, T, H, D] memory seen as [B, H, T, D].
-at::Tensor empty_bthd(const at::Tensor& like_q) {
-  const int64_t B = like_q.size(0), H = like_q.size(1), T = like_q.size(2), D = like_q.size(3);
-  return at::empty({B, T, H, D}, like_q.options()).transpose(1, 2);
+kernels::AttentionStrides bthd_strides(const at::Tensor& like) {
+  const int64_t H = like.size(1), T = like.size(2), D = like.size(3);
+  return {T * H * D, D, H * D, 1};
 }
 
-// A gradient buffer with the strides of its input when those are dense (q / k / v are
-// transposed views of projections), else [B, T, H, D].
-at::Tensor empty_gradient_like(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense())
-    return at::empty_strided(t.sizes(), t.strides(), t.options());
-  return empty_bthd(t);
+// A gradient's layout: its input's strides when those are dense (q / k / v are transposed
+// views of projections), else [B, T, H, D].
+kernels::AttentionStrides gradient_strides(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? strides_of(t) : bthd_strides(t);
+}
+
+at::Tensor empty_with_strides(const at::Tensor& like, const kernels::AttentionStrides& strides) {
+  return at::empty_strided(like.sizes(), strides, like.options());
 }
 
 // Why cuDNN's kernels cannot read `t` in place, or empty: head_dim contiguous, the other
@@ -75,8 +77,7 @@ kernels::AttentionProblem forward_problem(const at::Tensor& q, const at::Tensor&
   p.q = strides_of(q);
   p.k = strides_of(k);
   p.v = strides_of(v);
-  const int64_t H = p.q_heads, T = p.seq_len, D = p.head_dim;
-  p.o = {T * H * D, D, H * D, 1};  // empty_bthd's
+  p.o = bthd_strides(q);
   p.device = q.get_device();
   return p;
 }
@@ -86,11 +87,6 @@ kernels::AttentionProblem forward_problem(const at::Tensor& q, const at::Tensor&
 void add_backward_layouts(kernels::AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v) {
   p.grad_o = p.o;
-  auto gradient_strides = [](const at::Tensor& t) -> kernels::AttentionStrides {
-    if (t.is_non_overlapping_and_dense()) return strides_of(t);
-    const int64_t H = t.size(1), T = t.size(2), D = t.size(3);
-    return {T * H * D, D, H * D, 1};
-  };
   p.grad_q = gradient_strides(q);
   p.grad_k = gradient_strides(k);
   p.grad_v = gradient_strides(v);
@@ -167,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
   check_cuda_inputs(op, q, k, v);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const kernels::AttentionProblem p = forward_problem(q, k, v, scale);
-  at::Tensor out = empty_bthd(q);
+  at::Tensor out = empty_with_strides(q, p.o);
   at::Tensor logsumexp = at::empty({p.batch, p.q_heads, p.seq_len}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, logsumexp};
   try {
@@ -196,16 +192,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   // into it, so the backward runs the graph unsupported_reason() checked.
   auto in_o_layout = [&](const at::Tensor& t) {
     if (strides_of(t) == p.o) return t;
-    at::Tensor copy = empty_bthd(q);
+    at::Tensor copy = empty_with_strides(q, p.o);
     copy.copy_(t);
     return copy;
   };
   const at::Tensor o = in_o_layout(out);
   const at::Tensor grad_o = in_o_layout(grad_out);
   const at::Tensor stats = logsumexp.contiguous();
-  at::Tensor grad_q = empty_gradient_like(q);
-  at::Tensor grad_k = empty_gradient_like(k);
-  at::Tensor grad_v = empty_gradient_like(v);
+  at::Tensor grad_q = empty_with_strides(q, p.grad_q);
+  at::Tensor grad_k = empty_with_strides(k, p.grad_k);
+  at::Tensor grad_v = empty_with_strides(v, p.grad_v);
   if (q.numel() == 0) return {grad_q, grad_k.zero_(), grad_v.zero_()};
   try {
     const at::Tensor space = workspace(kernels::cudnn_attention_backward_workspace_bytes(p), q);
