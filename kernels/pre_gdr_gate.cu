@@ -13,11 +13,13 @@
 #include <cuda/atomic>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
 
 #include "kernels/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate_element.cuh"
 #include "kernels/pre_gdr_gate_math.h"
 
 namespace gdr::kernels {
@@ -86,6 +88,27 @@ __device__ __forceinline__ Index strided_offset(const StridedOperand& op, Index 
                                                 Index h) {
   return i0 * static_cast<Index>(op.stride0) + i1 * static_cast<Index>(op.stride1) +
          h * static_cast<Index>(op.stride_h);
+}
+
+// Note [Gate reduce launched early]: on Hopper the ordered second pass is launched with
+// programmatic stream serialisation (PDL), so the GPU schedules its block while the
+// element pass is finishing instead of after it: a plain second launch costs its launch
+// latency on the GPU (and, in eager calls, that latency is not hidden behind host work).
+// The element pass allows the dependent launch once its rows are summed; the reduce
+// kernel's first act is griddepcontrol.wait, which returns only when the whole element
+// grid has completed and its memory operations are visible, so the reduce reads exactly
+// what a stream-ordered launch would read: same order, same bits. Without the launch
+// attribute (pre-Hopper devices) the wait returns at once and the trigger is a no-op.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // ----------------------------------------------------------------------------
@@ -213,26 +236,6 @@ __device__ __forceinline__ void load_vec(const In* p, float (&v)[4]) {
   InVec<In>::unpack(__ldg(reinterpret_cast<const Raw*>(p)), v);
 }
 
-// softplus with the threshold as a select rather than a branch around log1pf: the same
-// calls in the same order (so the same bits as gate_softplus), without the per-element
-// branch bookkeeping. log1pf(expf(pre)) above the threshold is computed and discarded.
-__device__ __forceinline__ float gate_softplus_select(float pre) {
-  const float sp = log1pf(expf(pre));
-  return pre > kSoftplusThreshold ? pre : sp;
-}
-
-// gate_softplus_and_grad in the same select form: the same calls (one expf, log1pf, and
-// z / (z + 1)) and so the same bits below the threshold, pre and 1 above it.
-__device__ __forceinline__ void gate_softplus_and_grad_select(float pre, float& softplus,
-                                                              float& grad) {
-  const float z = expf(pre);
-  const float sp = log1pf(z);
-  const float gr = z / (z + 1.0f);
-  const bool above = pre > kSoftplusThreshold;
-  softplus = above ? pre : sp;
-  grad = above ? 1.0f : gr;
-}
-
 template <typename In, typename Param, int kItems>
 __global__ void __launch_bounds__(kForwardThreads)
     gate_forward_vec_kernel(GateForwardArgs args, int32_t total, int32_t lanes, int32_t row_group) {
@@ -301,32 +304,19 @@ __global__ void __launch_bounds__(kForwardThreads)
 //   kGateVirtualRowsPerRow adjacent heads and walks the tokens of virtual row vrow (vrow,
 //   vrow + R, ...) with one 8- or 16-byte load per operand and token; R = threads /
 //   (block_h / kBackwardVec) virtual rows are exactly its thread rows.
-// Both compute each element with gate_backward_element (same calls, same order), so da,
-// db and the per-head sums are the same bits whichever kernel runs.
+// The scalar pass computes each element with gate_backward_element, the vectorised one
+// four at a time with gate_backward_elements4, which gives gate_backward_element's bits
+// for every input (Note [Gate backward fast paths]), so da, db and the per-head sums are
+// the same bits whichever kernel runs.
 constexpr int kBackwardBatch = kGateVirtualRowsPerRow;
 constexpr int kBackwardVec = kGateVirtualRowsPerRow;
-// Tokens (of kBackwardVec heads) loaded per round. 1: 55-56 registers (ptxas, sm_90), so
+// Tokens (of kBackwardVec heads) loaded per round. 1: 64 registers (ptxas, sm_90), so
 // four 256-thread programs fit an SM and the 512 programs of the 65536 x 64 ordered tile
 // are one wave on 132 SMs; 2 took 73-77 registers (three programs per SM, 1.3 waves).
 // Either way a round is 4 elements in flight per thread, as the scalar pass's batch.
 constexpr int kBackwardVecBatch = 1;
 static_assert(kBackwardVec == kForwardVec, "the backward reuses the forward's vector loads");
-
-// The per-element backward: da, db and the two per-head terms, added to the sums.
-__device__ __forceinline__ void gate_backward_element(float a, float b, float dg, float dbeta,
-                                                      float neg_exp_A, float dt, float& da,
-                                                      float& db, float& sum_A_log,
-                                                      float& sum_dt_bias) {
-  float softplus, softplus_grad;
-  gate_softplus_and_grad_select(a + dt, softplus, softplus_grad);
-  const float g = neg_exp_A * softplus;
-  const float da_value = dg * (neg_exp_A * softplus_grad);
-  const float beta = gate_sigmoid(b);
-  da = da_value;
-  db = dbeta * beta * (1.0f - beta);
-  sum_A_log += dg * g;
-  sum_dt_bias += da_value;
-}
+static_assert(kBackwardVec == 4, "the vectorised pass computes with gate_backward_elements4");
 
 // kBackwardVec floats stored as one aligned vector of the output type, each rounded as
 // store_from_float rounds it (round to nearest even).
@@ -472,11 +462,8 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
         const int32_t t = t0 + k * virtual_rows;
         if (t < t_end) {
           float da_value[kBackwardVec], db_value[kBackwardVec];
-#pragma unroll
-          for (int j = 0; j < kBackwardVec; ++j) {
-            gate_backward_element(a_val[k][j], b_val[k][j], dg[k][j], dbeta[k][j], neg_exp_A[j],
-                                  dt[j], da_value[j], db_value[j], sum_A_log[j], sum_dt_bias[j]);
-          }
+          gate_backward_elements4(a_val[k], b_val[k], dg[k], dbeta[k], neg_exp_A, dt, da_value,
+                                  db_value, sum_A_log, sum_dt_bias);
           const int32_t e = t * heads + h0;
           store_vec(da + e, da_value);
           store_vec(db + e, db_value);
@@ -492,33 +479,107 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
 }
 
 // Note [Single-pass ordered reduction]: in kOrderedSinglePass mode every program writes
-// its partial row, then takes a ticket from an unsigned counter; the program that draws
-// the last ticket sums all partial rows itself and resets the counter to 0 for the next
-// launch that uses it. The integer ticket only elects who sums; it carries no data. The
-// last program adds the rows in exactly the order of gate_reduce_partials_kernel
-// (kReduceRows virtual rows per slot, row r summing programs r, r + kReduceRows, ... in
-// program order, then the rows added in row order), so the single-pass and two-pass
-// variants give the same bits and choosing between them is a matter of speed alone. It
-// saves the second launch, which dominates at small (launch-bound) shapes.
+// its partial row, then takes a ticket from the unsigned counter of its head column
+// (blockIdx.y); the program that draws the column's last ticket sums that column's slots
+// of all partial rows itself and resets the counter to 0 for the next launch that uses
+// it. The integer ticket only elects who sums; it carries no data. The last program adds
+// the rows in exactly the order of gate_reduce_partials_kernel (kReduceRows virtual rows
+// per slot, row r summing programs r, r + kReduceRows, ... in program order, then the
+// rows added in row order), so the single-pass and two-pass variants give the same bits
+// and choosing between them is a matter of speed alone. It saves the second launch, which
+// eager calls at small (launch-bound) shapes pay on the host; one summing program per
+// column keeps the tail to the column's 2 * block_h slots.
 //
 // Counters: a fixed device array, zero at module load, so no allocation or memset is
-// needed (not even under graph capture). The host hands each eager stream one slot and
-// each captured launch a slot of its own (ops/pre_gdr_gate_cuda.cc), so two launches
-// that may run concurrently never share a counter.
-__device__ unsigned int g_gate_ticket_slots[kGateTicketSlots];
+// needed (not even under graph capture): kGateTicketColumns counters per slot. The host
+// hands each eager stream one slot and each captured launch a slot of its own
+// (ops/pre_gdr_gate_cuda.cc), so two launches that may run concurrently never share a
+// counter.
+__device__ unsigned int g_gate_ticket_slots[kGateTicketSlots * kGateTicketColumns];
 
-// Tail layout: 32 slot lanes x (threads / 32) thread rows, each thread owning
-// kReduceRows / (threads / 32) <= kTailRowsPerThread virtual rows (threads >= 256).
-// Each round loads kTailUnroll programs of every owned virtual row before adding, so a
-// 32-slot group of up to 256 partial rows is one round of independent loads: the tail's
-// latency is then about one L2 round trip (this instantiation alone pays the registers).
+// Virtual rows per thread in the tail: kReduceRows over the (threads / 32) thread rows of
+// the smallest block the single pass takes.
 constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
 constexpr int kTailUnroll = kSinglePassTailUnroll;
 
+// The last program of one head column sums that column's partial rows (Note
+// [Single-pass ordered reduction]): the 2 * column_heads slots (dA_log then ddt_bias of
+// heads [h_begin, h_begin + column_heads)) in groups of 32 lanes, thread row r of the
+// block owning virtual rows r, r + thread_rows, ... below kReduceRows (at most
+// kTailRowsPerThread of them, since threads >= kSinglePassMinThreads). Each round loads kTailUnroll
+// programs of every owned virtual row before adding, so a group of up to
+// kReduceRows * kTailUnroll = 256 partial rows is one round of independent loads. Offsets
+// are 32-bit (the host takes the single pass only when the scratch fits), which keeps the
+// per-load index work to a multiply-add: the tail runs on one SM while the rest of the
+// GPU idles, so its instruction count is its latency.
+template <typename Param>
+__device__ __forceinline__ void single_pass_tail(const GateBackwardArgs& args,
+                                                 const float* partials, int32_t programs_t,
+                                                 int32_t heads, int32_t h_begin, int block_h) {
+  __shared__ float tail_sums[kReduceRows][kReduceSlotsPerBlock];
+  const int lane = threadIdx.x % kReduceSlotsPerBlock;
+  const int thread_row = threadIdx.x / kReduceSlotsPerBlock;
+  const int thread_rows = blockDim.x / kReduceSlotsPerBlock;
+  const int32_t slots = 2 * heads;
+  const int32_t column_heads = min(block_h, heads - h_begin);
+  for (int32_t group = 0; group < 2 * column_heads; group += kReduceSlotsPerBlock) {
+    const int32_t column_slot = group + lane;
+    const bool active = column_slot < 2 * column_heads;
+    // dA_log slots first, then ddt_bias, as in the partial row and the two-pass kernel.
+    const int32_t slot = column_slot < column_heads
+                             ? h_begin + column_slot
+                             : heads + h_begin + (column_slot - column_heads);
+    float acc[kTailRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] = 0.0f;
+    for (int32_t p0 = 0; p0 < programs_t; p0 += kReduceRows * kTailUnroll) {
+      float v[kTailUnroll][kTailRowsPerThread];
+#pragma unroll
+      for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kTailRowsPerThread; ++k) {
+          const int virtual_row = thread_row + k * thread_rows;
+          const int32_t p = p0 + u * kReduceRows + virtual_row;
+          v[u][k] = active && virtual_row < kReduceRows && p < programs_t
+                        ? __ldcg(partials + p * slots + slot)
+                        : 0.0f;
+        }
+      }
+      // Adding the +0.0f of a missing program is exact: a sum that starts at +0.0f is
+      // never -0.0f, and x + (+0.0f) == x for every other x (NaN stays NaN).
+#pragma unroll
+      for (int u = 0; u < kTailUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] += v[u][k];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kTailRowsPerThread; ++k) {
+      const int virtual_row = thread_row + k * thread_rows;
+      if (virtual_row < kReduceRows) tail_sums[virtual_row][lane] = acc[k];
+    }
+    __syncthreads();
+    if (thread_row == 0 && active) {
+      float total = 0.0f;
+#pragma unroll 8
+      for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
+      if (slot < heads) {
+        store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
+      } else {
+        store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// __launch_bounds__(1024): at most 64 registers per thread, so four 256-thread programs
+// fit an SM in every mode. Unbounded, the single pass's tail (its loads of one round in
+// flight) took 80, three programs per SM, and the 512 programs of 16384 x 32 two waves.
 template <typename In, typename Param, typename Index, GateReduction kMode, bool kFlat, bool kVec>
-__global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads,
-                                     TokenDecoder<Index> dec, int block_t, int block_h,
-                                     float* out) {
+__global__ void __launch_bounds__(1024)
+    gate_backward_kernel(GateBackwardArgs args, Index tokens, Index heads, TokenDecoder<Index> dec,
+                         int block_t, int block_h, float* out) {
   static_assert(!kVec || (kFlat && std::is_same_v<Index, int32_t>),
                 "the vectorised pass is for flat operands with 32-bit indices");
   extern __shared__ float row_sums[];  // [2][virtual_rows][block_h]
@@ -533,6 +594,9 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
                                                        row_sums);
   }
   __syncthreads();
+  // Note [Gate reduce launched early]: the ordered second pass may be scheduled now;
+  // it waits for this grid's completion before it reads a partial row.
+  if constexpr (kMode == GateReduction::kOrdered) allow_dependent_launch();
   // Note [Gate backward virtual rows]: the virtual-row sums in virtual-row order.
   const int head_lane = threadIdx.x;
   const Index h = static_cast<Index>(blockIdx.y) * block_h + head_lane;
@@ -563,69 +627,15 @@ __global__ void gate_backward_kernel(GateBackwardArgs args, Index tokens, Index 
     // 1.4-1.8x slower than the two-pass one on the H200.
     __syncthreads();
     if (threadIdx.x == 0) {
-      const unsigned int programs = gridDim.x * gridDim.y;
       cuda::atomic_ref<unsigned int, cuda::thread_scope_device> ticket(
-          g_gate_ticket_slots[args.ticket_slot]);
-      is_last_program = ticket.fetch_add(1u, cuda::memory_order_acq_rel) == programs - 1;
+          g_gate_ticket_slots[args.ticket_slot * kGateTicketColumns + blockIdx.y]);
+      is_last_program = ticket.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1;
       if (is_last_program) ticket.store(0u, cuda::memory_order_relaxed);
     }
     __syncthreads();
     if (!is_last_program) return;
-    __shared__ float tail_sums[kReduceRows][kReduceSlotsPerBlock];
-    const int lane = threadIdx.x % kReduceSlotsPerBlock;
-    const int thread_row = threadIdx.x / kReduceSlotsPerBlock;
-    const int thread_rows = blockDim.x / kReduceSlotsPerBlock;
-    const int64_t slots = 2 * static_cast<int64_t>(heads);
-    const int64_t programs_t = gridDim.x;
-    for (int64_t slot_base = 0; slot_base < slots; slot_base += kReduceSlotsPerBlock) {
-      const int64_t slot = slot_base + lane;
-      float acc[kTailRowsPerThread];
-#pragma unroll
-      for (int k = 0; k < kTailRowsPerThread; ++k) acc[k] = 0.0f;
-      // Virtual row thread_row + k * thread_rows takes programs of that residue mod
-      // kReduceRows in increasing order; kTailUnroll of them are loaded per round so the
-      // loads of all virtual rows are in flight together.
-      for (int64_t p0 = 0; p0 < programs_t; p0 += int64_t{kReduceRows} * kTailUnroll) {
-        float v[kTailUnroll][kTailRowsPerThread];
-#pragma unroll
-        for (int u = 0; u < kTailUnroll; ++u) {
-#pragma unroll
-          for (int k = 0; k < kTailRowsPerThread; ++k) {
-            const int virtual_row = thread_row + k * thread_rows;
-            const int64_t p = p0 + int64_t{u} * kReduceRows + virtual_row;
-            v[u][k] = virtual_row < kReduceRows && p < programs_t && slot < slots
-                          ? __ldcg(out + p * slots + slot)
-                          : 0.0f;
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kTailUnroll; ++u) {
-#pragma unroll
-          for (int k = 0; k < kTailRowsPerThread; ++k) {
-            const int virtual_row = thread_row + k * thread_rows;
-            if (virtual_row < kReduceRows &&
-                p0 + int64_t{u} * kReduceRows + virtual_row < programs_t)
-              acc[k] += v[u][k];
-          }
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kTailRowsPerThread; ++k) {
-        const int virtual_row = thread_row + k * thread_rows;
-        if (virtual_row < kReduceRows) tail_sums[virtual_row][lane] = acc[k];
-      }
-      __syncthreads();
-      if (thread_row == 0 && slot < slots) {
-        float total = 0.0f;
-        for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
-        if (slot < heads) {
-          store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
-        } else {
-          store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
-        }
-      }
-      __syncthreads();
-    }
+    single_pass_tail<Param>(args, out, static_cast<int32_t>(gridDim.x), static_cast<int32_t>(heads),
+                            static_cast<int32_t>(blockIdx.y) * block_h, block_h);
   }
 }
 
@@ -642,6 +652,7 @@ __global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
   const int row = threadIdx.x / kReduceSlotsPerBlock;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * kReduceSlotsPerBlock + lane;
   const int64_t slots = 2 * heads;
+  wait_for_prerequisite_grid();  // Note [Gate reduce launched early]
   float acc = 0.0f;
   if (slot < slots) {
 #pragma unroll 8
@@ -726,6 +737,31 @@ bool backward_vectorisable(const GateBackwardArgs& args, const GateTile& tile) {
          aligned_to(args.a.data, vec_bytes) && aligned_to(args.b.data, vec_bytes) &&
          aligned_to(args.da, vec_bytes) && aligned_to(args.db, vec_bytes) &&
          aligned_to(args.grad_g.data, 16) && aligned_to(args.grad_beta.data, 16);
+}
+
+// Programmatic dependent launch needs compute capability 9.0. Cached per device: the
+// attribute query is a driver call, and this runs once per backward. The current device
+// is the stream's: a launch into another device's stream fails anyway.
+bool current_device_has_programmatic_launch() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (device < 0 || device >= kMaxDevices) return false;
+  int state = cached[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    state = major >= 9 ? 2 : 1;
+    cached[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
 }
 
 }  // namespace
@@ -846,12 +882,23 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
   if (heads == 0) return cudaSuccess;
   const dim3 grid(
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
+  // Note [Gate reduce launched early]: programmatic serialisation where the device has it.
+  cudaLaunchAttribute early_launch;
+  early_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early_launch.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kReduceSlotsPerBlock * kReduceRows);
+  config.stream = stream;
+  config.attrs = &early_launch;
+  config.numAttrs = current_device_has_programmatic_launch() ? 1 : 0;
+  cudaError_t error = cudaSuccess;
   dispatch_kind(param_kind, [&](auto param_tag) {
     using Param = decltype(param_tag);
-    gate_reduce_partials_kernel<Param><<<grid, kReduceSlotsPerBlock * kReduceRows, 0, stream>>>(
-        partials, programs_t, heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
+    error = cudaLaunchKernelEx(&config, gate_reduce_partials_kernel<Param>, partials, programs_t,
+                               heads, static_cast<Param*>(dA_log), static_cast<Param*>(ddt_bias));
   });
-  return cudaGetLastError();
+  return error;
 }
 
 }  // namespace gdr::kernels

@@ -104,10 +104,10 @@ struct GateBackwardArgs {
   const void* dt_bias = nullptr;
   void* da = nullptr;  // [tokens, heads] contiguous, input_kind
   void* db = nullptr;
-  // kOrderedSinglePass only: outputs ([heads], param_kind) and the index of the ticket
-  // counter in the device array of kGateTicketSlots counters, which the launch must not
-  // share with any launch that may run concurrently (Note [Single-pass ordered
-  // reduction] in the .cu); the kernel leaves it zero again.
+  // kOrderedSinglePass only: outputs ([heads], param_kind) and the ticket slot, an index
+  // in [0, kGateTicketSlots) that the launch must not share with any launch that may run
+  // concurrently: it owns kGateTicketColumns counters, one per head column of programs
+  // (Note [Single-pass ordered reduction] in the .cu), which the kernel leaves zero.
   void* dA_log = nullptr;
   void* ddt_bias = nullptr;
   int ticket_slot = -1;
@@ -117,24 +117,34 @@ struct GateBackwardArgs {
 // kOrdered: partial rows + the ordered second kernel (launch_..._reduce_partials).
 // kOrderedSinglePass: partial rows, summed by the last program to finish in the same
 // order as kOrdered's second kernel, so both give the same bits (Note [Single-pass
-// ordered reduction] in the .cu); needs tile.threads >= kSinglePassMinThreads.
+// ordered reduction] in the .cu); needs gate_single_pass_supported.
 enum class GateReduction { kAtomic, kOrdered, kOrderedSinglePass };
 
 constexpr int kSinglePassMinThreads = 256;
 constexpr int kGateTicketSlots = 4096;
+constexpr int kGateTicketColumns = 8;  // head columns (grid.y) a single-pass launch may have
+
+// Empty when the single-pass variant can run this launch, otherwise what stops it: it
+// needs tile.threads >= 256 (the tail's layout), at most kGateTicketColumns head columns,
+// and partial-row offsets that fit 32 bits (the tail indexes with them).
+std::string gate_single_pass_unsupported_reason(const GateTile& tile,
+                                                const GateBackwardLaunch& launch);
+bool gate_single_pass_supported(const GateTile& tile, const GateBackwardLaunch& launch);
 
 // Partial rows the single-pass tail loads per virtual row in one round.
 constexpr int kSinglePassTailUnroll = 8;
 
-// The automatic choice between the ordered variants, a pure function of tile and shape
-// (both give the same bits, so this is about speed alone): single pass when the tile
-// allows it, one row of programs covers every head, 2 * heads fits one 32-slot group and
-// there are at most 32 programs (one partial row per tail row, so the tail is one add per
-// slot): tiny, launch-bound shapes. Two pass otherwise. On the H200 (session 6, graph
-// time) the single pass took 7.6 us at the 0.8B shape (256 programs) against the two
-// pass's 4.8 (atomic 5.0-5.8): its one-block tail costs more than the second launch, so the
-// 0.8B shape is no longer single pass (it was with the older element pass, at 5.7 us).
-bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch);
+// The automatic choice between the ordered variants (both give the same bits, so this is
+// about speed alone; a pure function of its arguments): the single pass for eager launches
+// of at most 2^19 elements (where the host's launch work outlasts the GPU's) whose head
+// columns have at most kReduceRows * kSinglePassTailUnroll = 256 programs each (the tail
+// is then one round of loads); the two pass otherwise and under graph capture. Eager calls
+// at those shapes pay host time per launch, and the second launch costs the host more than
+// the single pass's tail costs the GPU; in a graph the launches are free and the two
+// pass's short reduce kernel (launched early, Note [Gate reduce launched early]) beats the
+// tail's ticket and reloads (H200, docs/benchmarks.md).
+bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch,
+                                const GateShape& shape, bool capturing);
 
 // Whether launch_pre_gdr_gate_forward takes the vectorised kernel for these arguments:
 // contiguous a and b, heads a multiple of 4 and at most 1024, 32-bit indices, a and b

@@ -53,10 +53,33 @@ GateBackwardLaunch derive_gate_backward_launch(const GateTile& tile, const GateS
   return launch;
 }
 
-bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch) {
-  return tile.threads >= kSinglePassMinThreads && launch.programs_h == 1 &&
-         launch.scratch_floats / launch.programs_t <= kReduceSlotsPerBlock &&
-         launch.programs_t <= int64_t{kReduceRows};
+std::string gate_single_pass_unsupported_reason(const GateTile& tile,
+                                                const GateBackwardLaunch& launch) {
+  if (tile.threads < kSinglePassMinThreads) {
+    return "needs a tile of at least " + std::to_string(kSinglePassMinThreads) + " threads (got " +
+           to_string(tile) + ")";
+  }
+  if (launch.programs_h > kGateTicketColumns) {
+    return "needs at most " + std::to_string(kGateTicketColumns) +
+           " head columns of programs (got " + std::to_string(launch.programs_h) + " with tile " +
+           to_string(tile) + ")";
+  }
+  if (launch.scratch_floats >= (int64_t{1} << 31)) {
+    return "needs fewer than 2^31 partial sums (got " + std::to_string(launch.scratch_floats) + ")";
+  }
+  return "";
+}
+
+bool gate_single_pass_supported(const GateTile& tile, const GateBackwardLaunch& launch) {
+  return gate_single_pass_unsupported_reason(tile, launch).empty();
+}
+
+bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch,
+                                const GateShape& shape, bool capturing) {
+  constexpr int64_t kHostBoundElements = int64_t{1} << 19;
+  return !capturing && gate_single_pass_supported(tile, launch) &&
+         launch.programs_t <= int64_t{kReduceRows} * kSinglePassTailUnroll &&
+         shape.tokens() * shape.heads <= kHostBoundElements;
 }
 
 // The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table

@@ -82,9 +82,10 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
     const std::function<std::function<double(const kernels::GateTile&)>()>& make_timer);
 
 // Which ordered (deterministic) reduction the CUDA backward uses. kAuto = single pass (one
-// launch; the last program sums) where kernels::gate_single_pass_preferred says so (tiny
-// problems), two pass otherwise; kSinglePass needs a tile of at least
-// kernels::kSinglePassMinThreads threads and a free ticket slot, and fails otherwise. Also
+// launch; the last program of each head column sums) where
+// kernels::gate_single_pass_preferred says so (eager calls at small, launch-bound shapes),
+// two pass otherwise (graph capture included); kSinglePass fails with the reason when
+// kernels::gate_single_pass_unsupported_reason names one or no ticket slot is free. Also
 // settable with GDR_PRE_GDR_GATE_ORDERED=single_pass|two_pass|auto. Both variants sum in
 // the same order, so they give the same bits (Note [Single-pass ordered reduction]).
 enum class OrderedVariant { kAuto, kSinglePass, kTwoPass };

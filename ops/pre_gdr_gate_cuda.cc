@@ -230,23 +230,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   kernels::GateReduction reduction = kernels::GateReduction::kAtomic;
   if (ordered) {
     // Both variants give the same bits (Note [Single-pass ordered reduction]); kAuto takes
-    // the single pass where its one-round tail beats a second launch (small, launch-bound
-    // shapes) and two pass elsewhere (kernels::gate_single_pass_preferred).
+    // the single pass for eager calls at small, launch-bound shapes and two pass elsewhere,
+    // graph capture included (kernels::gate_single_pass_preferred).
     const OrderedVariant variant = pre_gdr_gate_ordered_variant();
     int ticket_slot = -1;
-    const bool tile_fits = selection.config.threads >= kernels::kSinglePassMinThreads;
-    const bool wanted = variant == OrderedVariant::kSinglePass ||
-                        (variant == OrderedVariant::kAuto &&
-                         kernels::gate_single_pass_preferred(selection.config, launch));
-    if (wanted && tile_fits) {
-      ticket_slot = ticket_slot_for(stream, a.get_device(), stream_is_capturing(stream));
+    const bool capturing = stream_is_capturing(stream);
+    const bool wanted =
+        variant == OrderedVariant::kSinglePass ||
+        (variant == OrderedVariant::kAuto &&
+         kernels::gate_single_pass_preferred(selection.config, launch, args.shape, capturing));
+    const std::string unsupported =
+        wanted ? kernels::gate_single_pass_unsupported_reason(selection.config, launch) : "";
+    TORCH_CHECK(variant != OrderedVariant::kSinglePass || unsupported.empty(),
+                "pre_gdr_gate: the single-pass ordered reduction was requested but it ",
+                unsupported);
+    if (wanted && unsupported.empty()) {
+      ticket_slot = ticket_slot_for(stream, a.get_device(), capturing);
     }
-    TORCH_CHECK(variant != OrderedVariant::kSinglePass || ticket_slot >= 0,
-                "pre_gdr_gate: the single-pass ordered reduction was requested but needs a tile "
-                "of at least ",
-                kernels::kSinglePassMinThreads, " threads (got ",
-                kernels::to_string(selection.config), ") and a free ticket slot (",
-                kernels::kGateTicketSlots, " per process)");
+    TORCH_CHECK(
+        variant != OrderedVariant::kSinglePass || ticket_slot >= 0,
+        "pre_gdr_gate: the single-pass ordered reduction was requested but all ",
+        kernels::kGateTicketSlots,
+        " ticket slots of this process are taken (each CUDA graph capture of it keeps one)");
     if (ticket_slot >= 0) {
       reduction = kernels::GateReduction::kOrderedSinglePass;
       args.dA_log = dA_log.data_ptr();

@@ -177,30 +177,61 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
   }
 }
 
-TEST(GateSelection, SinglePassIsPreferredForSmallProblemsOnly) {
-  // Both ordered variants give the same bits; the rule only trades the single pass's
-  // one-block tail against a second launch. The 0.8B shape's deterministic tile reads
-  // 256 x 32 partial sums: two pass (measured faster, kernels/pre_gdr_gate.h). A tiny
-  // problem of 16 programs: single pass.
-  auto preferred = [](int64_t tokens, int64_t heads) {
+TEST(GateSelection, SinglePassIsPreferredForSmallEagerProblemsOnly) {
+  // Both ordered variants give the same bits; the rule trades the single pass's
+  // one-block tail against the host cost of a second launch, which only eager calls pay
+  // (kernels/pre_gdr_gate.h). Up to 2^19 elements with at most 256 programs per head
+  // column: single pass when eager, two pass under graph capture. Larger: two pass.
+  auto preferred = [](int64_t tokens, int64_t heads, bool capturing) {
     const kernels::GateShape shape{1, tokens, heads};
     const kernels::GateTile tile =
         select_pre_gdr_gate_tile(shape, "bf16", 0, /*deterministic=*/true, nullptr, 2).config;
-    return kernels::gate_single_pass_preferred(tile,
-                                               kernels::derive_gate_backward_launch(tile, shape));
+    return kernels::gate_single_pass_preferred(
+        tile, kernels::derive_gate_backward_launch(tile, shape), shape, capturing);
   };
-  EXPECT_FALSE(preferred(8192, 16)) << "256 programs: more than one partial row per tail row";
-  EXPECT_FALSE(preferred(16384, 32)) << "two 32-slot groups and two rows of programs";
-  EXPECT_FALSE(preferred(65536, 64));
-  EXPECT_FALSE(preferred(32768, 48));
+  EXPECT_TRUE(preferred(8192, 16, /*capturing=*/false)) << "0.8B shape: 256 programs";
+  EXPECT_FALSE(preferred(8192, 16, /*capturing=*/true)) << "graphs take the two pass";
+  EXPECT_TRUE(preferred(16384, 32, false)) << "2^19 elements, two columns of 256 programs";
+  EXPECT_FALSE(preferred(32768, 48, false)) << "more than 2^19 elements";
+  EXPECT_FALSE(preferred(65536, 64, false));
   const kernels::GateShape small{1, 1024, 16};
   const kernels::GateTile narrow{64, 16, 128};
   EXPECT_FALSE(kernels::gate_single_pass_preferred(
-      narrow, kernels::derive_gate_backward_launch(narrow, small)))
+      narrow, kernels::derive_gate_backward_launch(narrow, small), small, false))
       << "a 128-thread tile cannot run the single-pass tail";
   const kernels::GateTile wide{64, 16, 256};
-  EXPECT_TRUE(
-      kernels::gate_single_pass_preferred(wide, kernels::derive_gate_backward_launch(wide, small)));
+  EXPECT_TRUE(kernels::gate_single_pass_preferred(
+      wide, kernels::derive_gate_backward_launch(wide, small), small, false));
+  const kernels::GateShape long_few_heads{1, 1 << 15, 16};  // 2^19 elements, 1024 programs
+  const kernels::GateTile short_tile{32, 16, 256};
+  EXPECT_FALSE(kernels::gate_single_pass_preferred(
+      short_tile, kernels::derive_gate_backward_launch(short_tile, long_few_heads), long_few_heads,
+      false))
+      << "more than one tail round";
+}
+
+TEST(GateSelection, SinglePassSaysWhyItCannotRun) {
+  const kernels::GateShape shape{1, 1000, 16};
+  const kernels::GateTile narrow{64, 16, 128};
+  EXPECT_EQ(kernels::gate_single_pass_unsupported_reason(
+                narrow, kernels::derive_gate_backward_launch(narrow, shape)),
+            "needs a tile of at least 256 threads (got 64x16x128)");
+  // 200 heads in 16-head columns: 13 columns, one ticket counter each, 8 per slot.
+  const kernels::GateShape many_heads{1, 1000, 200};
+  const kernels::GateTile tile{64, 16, 256};
+  EXPECT_EQ(kernels::gate_single_pass_unsupported_reason(
+                tile, kernels::derive_gate_backward_launch(tile, many_heads)),
+            "needs at most 8 head columns of programs (got 13 with tile 64x16x256)");
+  EXPECT_TRUE(kernels::gate_single_pass_supported(
+      kernels::GateTile{64, 32, 256},
+      kernels::derive_gate_backward_launch(kernels::GateTile{64, 32, 256}, many_heads)))
+      << "32-head columns: 7";
+  // 2^31 partial sums: 2^30 tokens in 32-token programs x 2 x 64 heads.
+  const kernels::GateShape huge{1, int64_t{1} << 30, 64};
+  const kernels::GateTile fine{32, 64, 256};
+  EXPECT_EQ(kernels::gate_single_pass_unsupported_reason(
+                fine, kernels::derive_gate_backward_launch(fine, huge)),
+            "needs fewer than 2^31 partial sums (got 4294967296)");
 }
 
 TEST(GateSelection, TheStaticRulePicksTheSweptBestOrderedTilesAtTheLargeShape) {

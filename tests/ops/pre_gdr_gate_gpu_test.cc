@@ -443,7 +443,9 @@ TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
       run_fused(x);
       const PreGdrGateBackwardRecord auto_record = pre_gdr_gate_last_backward();
       EXPECT_EQ(auto_record.reduction,
-                kernels::gate_single_pass_preferred(auto_record.tile, auto_record.launch)
+                kernels::gate_single_pass_preferred(auto_record.tile, auto_record.launch,
+                                                    kernels::GateShape{1, tokens, heads},
+                                                    /*capturing=*/false)
                     ? kernels::GateReduction::kOrderedSinglePass
                     : kernels::GateReduction::kOrdered)
           << context << ": auto must follow gate_single_pass_preferred";
@@ -464,6 +466,34 @@ TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
   }
 }
 
+TEST_F(GateGpuTest, AutoTakesTheSinglePassEagerAndTheTwoPassInAGraphWithTheSameBits) {
+  // kernels::gate_single_pass_preferred: at the 0.8B shape (256 programs) an eager call
+  // takes the single pass and a captured one the two pass, whose reduce kernel is
+  // launched early (programmatic dependent launch, Note [Gate reduce launched early]);
+  // the graph's replays must give the eager call's bits.
+  DeterministicModeGuard mode(true);
+  const Inputs x = make_inputs(1, 8192, 16, at::kBFloat16, at::kFloat, 17);
+  const Outputs eager = run_fused(x);
+  EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass);
+  c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+  at::cuda::CUDAGraph graph;
+  Outputs captured;
+  {
+    c10::cuda::CUDAStreamGuard guard(capture_stream);
+    run_fused(x);
+    capture_stream.synchronize();
+    graph.capture_begin();
+    captured = run_fused(x);
+    graph.capture_end();
+  }
+  EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered);
+  for (int replay = 0; replay < 20; ++replay) {
+    graph.replay();
+    c10::cuda::getCurrentCUDAStream().synchronize();
+    expect_bitwise_equal(captured, eager, "replay " + std::to_string(replay));
+  }
+}
+
 TEST_F(GateGpuTest, SinglePassWithATileUnder256ThreadsIsRefused) {
   DeterministicModeGuard mode(true);
   const Inputs x = make_inputs(1, 1000, 16, at::kFloat, at::kFloat);
@@ -474,8 +504,8 @@ TEST_F(GateGpuTest, SinglePassWithATileUnder256ThreadsIsRefused) {
     ADD_FAILURE() << "single pass with a 128-thread tile must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "pre_gdr_gate: the single-pass ordered reduction was requested but needs a tile of "
-              "at least 256 threads (got 64x16x128) and a free ticket slot (4096 per process)");
+              "pre_gdr_gate: the single-pass ordered reduction was requested but it needs a "
+              "tile of at least 256 threads (got 64x16x128)");
   }
 }
 
