@@ -19,26 +19,70 @@
 
 namespace gdr::bench {
 
-inline double median_event_ms(const std::function<void()>& fn, int warmup, int repeats) {
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> samples;
-  for (int i = 0; i < repeats; ++i) {
-    cudaEventRecord(start, stream);
-    fn();
-    cudaEventRecord(stop, stream);
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    samples.push_back(ms);
+// One event pair on the current stream: time_ms(fn) records, runs fn, records, waits.
+class EventTimer {
+ public:
+  EventTimer() : stream_(c10::cuda::getCurrentCUDAStream().stream()) {
+    cudaEventCreate(&start_);
+    cudaEventCreate(&stop_);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  ~EventTimer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+
+  double time_ms(const std::function<void()>& fn) {
+    cudaEventRecord(start_, stream_);
+    fn();
+    cudaEventRecord(stop_, stream_);
+    cudaEventSynchronize(stop_);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start_, stop_);
+    return ms;
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t start_, stop_;
+};
+
+inline double median_event_ms(const std::function<void()>& fn, int warmup, int repeats) {
+  for (int i = 0; i < warmup; ++i) fn();
+  EventTimer timer;
+  std::vector<double> samples;
+  for (int i = 0; i < repeats; ++i) samples.push_back(timer.time_ms(fn));
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
+}
+
+// The median of `pairs` per-pair time ratios numerator / denominator, the two calls
+// alternating (each with its own event pair and synchronisation) and taking turns to go
+// first. Host-bound times of 10-20 us drift by several us between runs and machines, so
+// two medians taken seconds apart compare the drift as much as the callables; pairing
+// puts both under the same conditions.
+inline double median_paired_ratio(const std::function<void()>& numerator,
+                                  const std::function<void()>& denominator, int warmup, int pairs) {
+  for (int i = 0; i < warmup; ++i) {
+    numerator();
+    denominator();
+  }
+  EventTimer timer;
+  std::vector<double> ratios;
+  for (int i = 0; i < pairs; ++i) {
+    double num = 0, den = 0;
+    if (i % 2 == 0) {
+      num = timer.time_ms(numerator);
+      den = timer.time_ms(denominator);
+    } else {
+      den = timer.time_ms(denominator);
+      num = timer.time_ms(numerator);
+    }
+    ratios.push_back(num / den);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  return ratios[ratios.size() / 2];
 }
 
 // GPU time of one call of `fn` without host overhead: `warmup_calls` eager calls on a side

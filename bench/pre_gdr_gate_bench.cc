@@ -6,9 +6,8 @@
 // host call, so host overhead counts when it exceeds the GPU work, as at small shapes)
 // and "graph" (kPerGraph calls captured in one CUDA graph and replayed: GPU time alone,
 // what a training step that keeps the GPU queue full sees). The eager ordered/atomic
-// ratio is paired (paired_eager_ratio), not a ratio of the two columns. Prints a Markdown
-// table;
-// --tiles also prints every candidate tile's backward time in both modes.
+// ratio is paired (bench::median_paired_ratio), not a ratio of the two columns. Prints a
+// Markdown table; --tiles also prints every candidate tile's backward time in both modes.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -54,49 +53,6 @@ struct Timing {
   double eager = 0, graph = 0;
 };
 
-// Eager ordered/atomic as the median of per-pair ratios, the two calls alternating (each
-// with its own event pair and synchronisation): eager times at the small shapes are host
-// times of 10-20 us that drift by several us between runs and machines, so two medians
-// taken minutes apart compare the drift as much as the paths. Pairing the calls puts both
-// under the same conditions.
-double paired_eager_ratio(const std::function<void()>& numerator,
-                          const std::function<void()>& denominator) {
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  auto time_one = [&](const std::function<void()>& fn) {
-    cudaEventRecord(start, stream);
-    fn();
-    cudaEventRecord(stop, stream);
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    return static_cast<double>(ms);
-  };
-  for (int i = 0; i < kWarmup; ++i) {
-    numerator();
-    denominator();
-  }
-  std::vector<double> ratios;
-  for (int i = 0; i < 4 * kRepeats; ++i) {
-    // Alternate which call goes first, so neither always follows the other.
-    double num = 0, den = 0;
-    if (i % 2 == 0) {
-      num = time_one(numerator);
-      den = time_one(denominator);
-    } else {
-      den = time_one(denominator);
-      num = time_one(numerator);
-    }
-    ratios.push_back(num / den);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ratios.begin(), ratios.end());
-  return ratios[ratios.size() / 2];
-}
-
 Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph_ms(fn)}; }
 
 struct Shape {
@@ -139,7 +95,8 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
     bwd_single_pass = time_both(backward);
     set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
   }
-  const double eager_ratio = paired_eager_ratio(
+  // Eager ordered/atomic paired (bench::median_paired_ratio), not a ratio of the columns.
+  const double eager_ratio = bench::median_paired_ratio(
       [&] {
         DeterministicModeGuard mode(true);
         backward();
@@ -147,7 +104,8 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
       [&] {
         DeterministicModeGuard mode(false);
         backward();
-      });
+      },
+      kWarmup, 4 * kRepeats);
   // Fused vs composite forward+backward through autograd (the way training runs it).
   auto fwd_bwd = [&](bool fused) {
     at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
