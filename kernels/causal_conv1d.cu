@@ -34,17 +34,29 @@ constexpr int kTileBlocksPerSm = 2;
 // loads in flight that keep HBM busy. Both kernels are built for 2 blocks per SM (<= 128
 // registers, no spills at K = 4 per ptxas -v). NOTE: untuned guesses until
 // bench/causal_conv1d_bench.cc has been run on the H200.
+// Forward configuration per storage type: channels per thread, tokens whose loads are
+// issued together, and the blocks per SM __launch_bounds__ promises. y is a per-element
+// function, so these change speed only. 16-bit types: 4 channels (8-byte loads), 8 tokens
+// in flight, 3 blocks (80 registers): on the H200 the 0.8B layer's 1 x 2048 x 6144 BF16
+// forward took 25.4 us against 42.5 with 8 channels (16-byte loads), 4 tokens, 2 blocks
+// (125 registers, 16 warps per SM); 8 x 4 x 2, 4 x 4 x 4 and 4 x 8 x 4 measured 46.6, 26.5
+// and 40.8 us (bench/causal_conv1d_bench, docs/benchmarks.md). FP32: 4 channels (16 bytes),
+// 4 tokens, 2 blocks, as before.
 template <typename T>
-constexpr int kForwardVec = static_cast<int>(16 / sizeof(T));
+struct ForwardConfig {
+  static constexpr int kVec = 4;
+  static constexpr int kInFlight = sizeof(T) == 2 ? 8 : 4;
+  static constexpr int kBlocksPerSm = sizeof(T) == 2 ? 3 : 2;
+};
 constexpr int kBackwardVec = 2;
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
 template <typename T, int VEC, int K>
-__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm)
+__global__ void __launch_bounds__(kTileThreads, ForwardConfig<T>::kBlocksPerSm)
     causal_conv1d_silu_forward_kernel(const CausalConvForwardArgs args) {
-  forward_tile<T, VEC, K>(args);
+  forward_tile<T, VEC, K, ForwardConfig<T>::kInFlight>(args);
 }
 
 template <typename T, int VEC, int K>
@@ -119,7 +131,7 @@ int forward_vec(const CausalConvForwardArgs& args, cudaStream_t stream) {
 
 template <typename T>
 int launch_forward(const CausalConvForwardArgs& args, cudaStream_t stream) {
-  constexpr int kVec = kForwardVec<T>;
+  constexpr int kVec = ForwardConfig<T>::kVec;
   if (can_vectorize<T>(args.shape, kVec, &args.x, nullptr, args.y)) {
     return forward_vec<T, kVec>(args, stream);
   }

@@ -87,8 +87,8 @@ constexpr int kCausalConvChannelThreads = 32;
 constexpr int kCausalConvTileRows = 8;
 
 // Forward tile: 16 tokens (the halo, K - 1 = 3 more reads per tile, mostly hits L2). At
-// B*T = 4096, C = 6144 in BF16 (8 channels per thread) that is 196608 threads, about three
-// waves of 2 resident blocks per SM over the 132 SMs of an H200.
+// B*T = 2048, C = 6144 in BF16 (4 channels per thread) that is 196608 threads, about two
+// waves of 3 resident blocks per SM over the 132 SMs of an H200.
 constexpr int64_t kCausalConvForwardTileTokens = 16;
 
 // Backward grid, a pure function of (B, T, C, K) so that dw's summation order never

@@ -27,9 +27,11 @@
 namespace gdr::kernels::causal_conv_detail {
 
 // Tokens whose loads a thread issues before using the first of them: one load per thread
-// in flight would leave HBM idle at the occupancy these register-heavy kernels get (2
-// blocks of 256 threads per SM). Forward: 4 x 16 bytes; backward: 8 x (x, dy) x 4 bytes
-// in 16-bit dtypes. Larger groups cost registers (ptxas -v: ~125 at these values for K = 4).
+// in flight would leave HBM idle at the occupancy these register-heavy kernels get (2-3
+// blocks of 256 threads per SM). Defaults; forward_tile and backward_tile take others
+// (kernels/causal_conv1d.cu picks the forward's per storage type: 8 x 8 bytes for 16-bit
+// types). Backward: 8 x (x, dy) x 4 bytes in 16-bit dtypes. Larger groups cost registers
+// (ptxas -v: ~125 for the backward at K = 4).
 constexpr int kForwardTokensInFlight = 4;
 constexpr int kBackwardTokensInFlight = 8;
 
@@ -164,7 +166,7 @@ __device__ __forceinline__ void forward_tokens(const T* x, int64_t token_stride,
 // Forward of one thread's tile (kCausalConvForwardTileTokens tokens x VEC channels): each
 // token is loaded once, the K - 1 before the tile once more (the halo); whole groups of
 // kForwardTokensInFlight tokens, then the tail one by one.
-template <typename T, int VEC, int K>
+template <typename T, int VEC, int K, int kInFlight = kForwardTokensInFlight>
 __device__ __forceinline__ void forward_tile(const CausalConvForwardArgs& a) {
   const CausalConvShape& shape = a.shape;
   const int64_t tiles_per_seq =
@@ -179,9 +181,9 @@ __device__ __forceinline__ void forward_tile(const CausalConvForwardArgs& a) {
   load_history<T, VEC, K>(x, a.x.token_stride, tile.begin, window);
   const int64_t stride = a.x.token_stride, channels = shape.channels;
   int64_t t = tile.begin;
-  for (; t + kForwardTokensInFlight <= tile.end; t += kForwardTokensInFlight) {
-    forward_tokens<T, VEC, K, kForwardTokensInFlight>(x + t * stride, stride, y + t * channels,
-                                                      channels, w, window);
+  for (; t + kInFlight <= tile.end; t += kInFlight) {
+    forward_tokens<T, VEC, K, kInFlight>(x + t * stride, stride, y + t * channels, channels, w,
+                                         window);
   }
   for (; t < tile.end; ++t) {
     forward_tokens<T, VEC, K, 1>(x + t * stride, stride, y + t * channels, channels, w, window);
@@ -293,7 +295,7 @@ __device__ __forceinline__ void backward_steps(const BackwardRows<T>& rows, int6
 // steps, hence of every sum, is the same whichever way they are grouped.
 // `combine` holds combine_floats<VEC, K>() floats; every thread of the block must call
 // this (it has a barrier).
-template <typename T, int VEC, int K>
+template <typename T, int VEC, int K, int kInFlight = kBackwardTokensInFlight>
 __device__ __forceinline__ void backward_tile(const CausalConvBackwardArgs& a, int64_t tile_tokens,
                                               int64_t tiles_per_seq, float* combine) {
   constexpr int kSlots = VEC * K;
@@ -339,8 +341,12 @@ __device__ __forceinline__ void backward_tile(const CausalConvBackwardArgs& a, i
       backward_steps<T, VEC, K, K - 1, true, true, false>(rows, tile.begin, st);
       int64_t s = interior_begin;
 #pragma unroll 1
-      for (; s + kBackwardTokensInFlight <= tile.end; s += kBackwardTokensInFlight) {
-        backward_steps<T, VEC, K, kBackwardTokensInFlight, true, true, true>(rows, s, st);
+      for (; s + kInFlight <= tile.end; s += kInFlight) {
+        backward_steps<T, VEC, K, kInFlight, true, true, true>(rows, s, st);
+      }
+      if (kInFlight > 8 && s + 8 <= tile.end) {
+        backward_steps<T, VEC, K, 8, true, true, true>(rows, s, st);
+        s += 8;
       }
       if (s + 4 <= tile.end) {
         backward_steps<T, VEC, K, 4, true, true, true>(rows, s, st);
