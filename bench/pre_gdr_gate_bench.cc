@@ -160,6 +160,7 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
     }
     {
       DeterministicModeGuard mode(true);
+      set_pre_gdr_gate_ordered_variant(OrderedVariant::kTwoPass);
       two_pass_us = host_us(backward);
       set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
       single_pass_us = host_us(backward);

@@ -234,11 +234,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
     // graph capture included (kernels::gate_single_pass_preferred).
     const OrderedVariant variant = pre_gdr_gate_ordered_variant();
     int ticket_slot = -1;
-    const bool capturing = stream_is_capturing(stream);
-    const bool wanted =
-        variant == OrderedVariant::kSinglePass ||
-        (variant == OrderedVariant::kAuto &&
-         kernels::gate_single_pass_preferred(selection.config, launch, args.shape, capturing));
+    // The capture query (a CUDA call) only where the answer matters.
+    const bool eager_candidate =
+        variant == OrderedVariant::kAuto &&
+        kernels::gate_single_pass_preferred(selection.config, launch, args.shape,
+                                            /*capturing=*/false);
+    const bool capturing =
+        (variant == OrderedVariant::kSinglePass || eager_candidate) && stream_is_capturing(stream);
+    const bool wanted = variant == OrderedVariant::kSinglePass || (eager_candidate && !capturing);
     const std::string unsupported =
         wanted ? kernels::gate_single_pass_unsupported_reason(selection.config, launch) : "";
     TORCH_CHECK(variant != OrderedVariant::kSinglePass || unsupported.empty(),
