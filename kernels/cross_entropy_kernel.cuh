@@ -188,23 +188,43 @@ __device__ __forceinline__ void reduce_rows(const CrossEntropyProblem& p, const 
   }
 }
 
-// Writes pack q of a gradient row: scale * (exp(x - lse) - onehot(y)), or NaN for an
-// out-of-range target.
+// Writes pack q of a gradient row: scale * (exp(x - lse) - onehot(y)). The target's place
+// in the pack is found once per pack (a 32-bit lane index, -1 when y is elsewhere), so
+// each element pays one 32-bit compare instead of 64-bit index arithmetic: the pass is
+// short of memory parallelism while it computes, and this was a fifth of its instructions.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_grad(T* out, int64_t q, const float (&v)[VEC], int64_t y,
-                                           float lse, float scale, bool in_range) {
+                                           float lse, float scale) {
   const float offset = lse * kLog2e;
+  const int64_t target_offset = y - q * VEC;
+  const int target_lane =
+      target_offset >= 0 && target_offset < VEC ? static_cast<int>(target_offset) : -1;
   float g[VEC];
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const float onehot = q * VEC + k == y ? 1.0f : 0.0f;
-    g[k] = in_range ? scale * (exp2f(fmaf(v[k], kLog2e, -offset)) - onehot) : NAN;
+    const float onehot = k == target_lane ? 1.0f : 0.0f;
+    g[k] = scale * (exp2f(fmaf(v[k], kLog2e, -offset)) - onehot);
   }
   store_floats<T, VEC>(out + q * VEC, g);
 }
 
+// Writes `value` to every element of a gradient row (VEC packs, then the tail).
+template <typename T, int VEC>
+__device__ __forceinline__ void fill_row(T* out, int64_t vocab, float value) {
+  const int64_t tid = threadIdx.x, threads = blockDim.x;
+  const int64_t packs = vocab / VEC;
+  float fill[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) fill[k] = value;
+  for (int64_t q = tid; q < packs; q += threads) store_floats<T, VEC>(out + q * VEC, fill);
+  for (int64_t c = packs * VEC + tid; c < vocab; c += threads) {
+    out[c] = StorageElement<T>::from_float(value);
+  }
+}
+
 // Backward of row r = blockIdx.x of [B, T, V]: zeros on the last position and on ignored
-// rows (no logits read), else g / count * (exp(x - lse) - onehot(y)). VEC > 1 only when
+// rows, NaN on a row whose target is out of range (neither reads the logits), else
+// g / count * (exp(x - lse) - onehot(y)). VEC > 1 only when
 // both the logits rows and the output rows are 16-byte aligned (the launcher's rule).
 template <typename T, int VEC>
 __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) {
@@ -217,20 +237,17 @@ __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) 
   T* out = static_cast<T*>(a.grad_logits) + r * vocab;
   const int64_t y = t + 1 < p.tokens ? label_at(p, b, t + 1) : p.ignore_index;
   if (y == p.ignore_index) {
-    float zeros[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) zeros[k] = 0.0f;
-    for (int64_t q = tid; q < packs; q += threads) store_floats<T, VEC>(out + q * VEC, zeros);
-    for (int64_t c = packs * VEC + tid; c < vocab; c += threads) {
-      out[c] = StorageElement<T>::from_float(0.0f);
-    }
+    fill_row<T, VEC>(out, vocab, 0.0f);
+    return;
+  }
+  if (y < 0 || y >= vocab) {  // an out-of-range target poisons its own row only
+    fill_row<T, VEC>(out, vocab, NAN);
     return;
   }
   const T* x =
       static_cast<const T*>(p.logits) + b * p.logits_batch_stride + t * p.logits_token_stride;
   const float lse = a.row_lse[b * (p.tokens - 1) + t];
   const float scale = *a.grad_loss / *a.count;
-  const bool in_range = y >= 0 && y < vocab;
   // Same trip structure as fold_row: full trips load kCrossEntropyUnroll packs first.
   int64_t q = tid;
   for (; q + (kCrossEntropyUnroll - 1) * threads < packs; q += kCrossEntropyUnroll * threads) {
@@ -241,17 +258,17 @@ __device__ __forceinline__ void backward_row(const CrossEntropyBackwardArgs& a) 
     }
 #pragma unroll
     for (int u = 0; u < kCrossEntropyUnroll; ++u) {
-      store_grad<T, VEC>(out, q + u * threads, v[u], y, lse, scale, in_range);
+      store_grad<T, VEC>(out, q + u * threads, v[u], y, lse, scale);
     }
   }
   for (; q < packs; q += threads) {
     float v[VEC];
     load_floats<T, VEC>(x + q * VEC, v);
-    store_grad<T, VEC>(out, q, v, y, lse, scale, in_range);
+    store_grad<T, VEC>(out, q, v, y, lse, scale);
   }
   for (int64_t c = packs * VEC + tid; c < vocab; c += threads) {
     const float v[1] = {StorageElement<T>::to_float(x[c])};
-    store_grad<T, 1>(out, c, v, y, lse, scale, in_range);
+    store_grad<T, 1>(out, c, v, y, lse, scale);
   }
 }
 
