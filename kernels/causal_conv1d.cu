@@ -45,7 +45,7 @@ constexpr int kTileBlocksPerSm = 2;
 template <typename T>
 struct ForwardConfig {
   static constexpr int kVec = 4;
-  static constexpr int kInFlight = sizeof(T) == 2 ? 8 : 4;
+  static constexpr int kInFlight = sizeof(T) == 2 ? 8 : causal_conv_detail::kForwardTokensInFlight;
   static constexpr int kBlocksPerSm = sizeof(T) == 2 ? 3 : 2;
 };
 constexpr int kBackwardVec = 2;

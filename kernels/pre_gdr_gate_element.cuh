@@ -75,9 +75,15 @@ __device__ __forceinline__ bool reciprocal_fast_path_exact(float x) {
   return ((__float_as_uint(x) + 0x01800000u) & 0x7f800000u) > 0x01ffffffu;
 }
 
-__device__ __forceinline__ float reciprocal_fast_path(float x) {
+// MUFU.RCP: the approximate reciprocal both fast paths start from.
+__device__ __forceinline__ float approximate_reciprocal(float x) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float reciprocal_fast_path(float x) {
+  const float r = approximate_reciprocal(x);
   const float error = fmaf(x, r, -1.0f);
   return fmaf(r, -error, r);
 }
@@ -88,8 +94,7 @@ __device__ __forceinline__ bool quotient_over_successor_fast_path_exact(float x)
 
 // x / d, for d = x + 1 (the caller's), within quotient_over_successor_fast_path_exact.
 __device__ __forceinline__ float division_fast_path(float x, float d) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  float r = approximate_reciprocal(d);
   r = fmaf(r, fmaf(-d, r, 1.0f), r);
   const float q = fmaf(x, r, 0.0f);
   const float remainder = fmaf(-d, q, x);
