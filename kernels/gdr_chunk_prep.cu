@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_prep_kernel.cuh"
@@ -39,7 +40,7 @@ template <typename TQK, typename TV, int DK, bool TC>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem);
+  chunk_prep_backward_grid<TQK, TV, DK, TC>(args, smem);
 }
 
 // ----------------------------------------------------------------------------
@@ -50,10 +51,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 // (forward ~83 KiB, backward ~207 KiB at dk = dv = 128), above the 48 KiB default, so
 // each launch raises the kernel's limit first, and asks for the largest shared-memory
 // carveout so that two forward blocks share an SM. Threads: the kernel's block size.
+// The wide-head backward (Note [Chunk prep wide-head backward]) runs args.scratch_slots
+// blocks instead, each walking the chunks.
 template <int Threads, typename Kernel, typename Args>
-int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* stream) {
-  const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
-  if (blocks <= 0) return static_cast<int>(cudaSuccess);
+int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* stream,
+           int64_t grid_blocks = 0) {
+  const int64_t chunks = args.shape.batch * args.shape.heads * args.shape.chunks;
+  if (chunks <= 0) return static_cast<int>(cudaSuccess);
+  const int64_t blocks = grid_blocks > 0 ? grid_blocks : chunks;
   if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
   const int bytes = static_cast<int>(smem_floats * sizeof(float));
   cudaError_t error =
@@ -89,16 +94,17 @@ int launch_forward_tc(const ChunkPrepForwardArgs& args, int64_t floats, CUstream
 template <int DK, bool TC>
 int launch_backward_dk(const ChunkPrepBackwardArgs& args, int64_t floats, CUstream_st* stream) {
   const ChunkPrepShape& s = args.shape;
+  const int64_t grid = chunk_prep_backward_uses_scratch(DK) ? args.scratch_slots : 0;
   if (s.qk_input == ChunkPrepInput::kFloat) {
     return launch<kBackwardThreads>(chunk_prep_backward_kernel<float, float, DK, TC>, args, floats,
-                                    stream);
+                                    stream, grid);
   }
   if (s.v_input == ChunkPrepInput::kFloat) {
     return launch<kBackwardThreads>(chunk_prep_backward_kernel<Bf16, float, DK, TC>, args, floats,
-                                    stream);
+                                    stream, grid);
   }
   return launch<kBackwardThreads>(chunk_prep_backward_kernel<Bf16, Bf16, DK, TC>, args, floats,
-                                  stream);
+                                  stream, grid);
 }
 
 }  // namespace chunk_prep_detail
@@ -118,6 +124,11 @@ int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* s
   using namespace chunk_prep_detail;
   const ChunkPrepShape& s = args.shape;
   if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
+  if (chunk_prep_backward_uses_scratch(s.dk) &&
+      (args.scratch == nullptr || args.scratch_slots < 1 || args.scratch_slots > 0x7fffffffLL ||
+       reinterpret_cast<uintptr_t>(args.scratch) % 16 != 0)) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
   const bool tc = chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores);
   switch (s.dk) {
@@ -129,6 +140,8 @@ int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* s
       return record(tc ? launch_backward_dk<128, true>(args, floats, stream)
                        : launch_backward_dk<128, false>(args, floats, stream),
                     tc);
+    case 256:  // SIMT only (chunk_prep_uses_tensor_cores)
+      return record(launch_backward_dk<256, false>(args, floats, stream), false);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

@@ -74,16 +74,38 @@ inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
   // first (C x dv BF16, Note [Chunk prep BF16 value staging]).
   return 2 * C * (dk + 4) + C * C + 5 * C + C * dv / 2;
 }
+// Note [Chunk prep wide-head backward]
+// The backward keeps K, Q, the C x C matrices and the C x (dv + dk) panel [dU | dW] (solved
+// in place into dR) in shared memory: ~207 KiB at dk = dv = 128, and ~342 KiB at
+// dk = dv = 256, past the 227 KiB an SM has. So for dk above kChunkPrepSharedPanelMaxDk the
+// panel lives in global memory instead (a per-block scratch slot, L2-resident: one slot is
+// C (dv + dk + 4) + C dk floats, 260 KiB at dk = dv = 256), with everything else where it
+// was (206 KiB of shared memory at dk = 256, whatever dv). The grid is then persistent:
+// scratch_slots blocks (one per SM: the op layer sizes it), block s taking chunks s,
+// s + slots, ... in turn and reusing its slot, so the scratch is bounded by the SM count,
+// not by the sequence length. Phase 6 runs in two column passes of 128 (its register tiles
+// are those of dk = 128); with the fused L2 norm the raw dK of a pass parks in the slot's
+// dW columns (each element read and then overwritten by the same thread) and the raw dQ in
+// the slot's last C dk floats until the row dots are complete. The arithmetic and its order
+// are those of the shared-memory kernel; where a chunk runs does not change its bits.
+constexpr int kChunkPrepSharedPanelMaxDk = 128;
+inline bool chunk_prep_backward_uses_scratch(int64_t dk) { return dk > kChunkPrepSharedPanelMaxDk; }
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
-  return 2 * C * (dk + 4) + C * (dv + dk + 4) + 4 * C * (C + 1) + C * (kChunkPrepSlab + 4) + 7 * C;
+  const int64_t panel = chunk_prep_backward_uses_scratch(dk) ? 0 : C * (dv + dk + 4);
+  return 2 * C * (dk + 4) + panel + 4 * C * (C + 1) + C * (kChunkPrepSlab + 4) + 7 * C;
+}
+// Global scratch floats per slot of the wide-head backward; 0 when it needs none.
+inline int64_t chunk_prep_backward_scratch_floats(int64_t dk, int64_t dv) {
+  const int64_t C = kChunkPrepChunk;
+  return chunk_prep_backward_uses_scratch(dk) ? C * (dv + dk + 4) + C * dk : 0;
 }
 
 // dk is a template parameter of the backward (register arrays); dv splits into whole
-// 16-column groups and must leave the backward's shared memory within the limit
-// (dk = 128: dv <= 208; dk = 64: dv <= 400).
+// 16-column groups and must leave the shared memory of both kernels within the limit
+// (dk = 64: dv <= 400; dk = 128: dv <= 208; dk = 256: dv <= 624, set by the forward).
 inline bool chunk_prep_supports(int64_t dk, int64_t dv) {
-  return (dk == 64 || dk == 128) && dv > 0 && dv % 16 == 0 &&
+  return (dk == 64 || dk == 128 || dk == 256) && dv > 0 && dv % 16 == 0 &&
          chunk_prep_backward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes &&
          chunk_prep_forward_smem_floats(dk, dv) * 4 <= kChunkPrepMaxSharedBytes;
 }
@@ -114,9 +136,10 @@ struct ChunkPrepShape {
 // Whether the launchers run the tensor-core (3xTF32 mma.sync) variant of the kernels
 // (Note [Chunk prep on tensor cores] in kernels/gdr_chunk_prep_kernel.cuh) for these
 // shapes: a pure function of the shapes and the switch, so one shape always runs one
-// variant. Every supported shape has one (C = 64 and dk in {64, 128} split into whole
-// m16n8k8 tiles). The two variants round differently (both FP32-level), so their bits
-// differ; each is deterministic on its own.
+// variant. dk in {64, 128} has one (C = 64 and dk split into whole m16n8k8 tiles); the
+// wide-head backward (dk = 256) is SIMT only, so dk = 256 runs SIMT both ways. The two
+// variants round differently (both FP32-level), so their bits differ; each is
+// deterministic on its own.
 inline bool chunk_prep_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
   (void)dv;  // the converted products contract over dk only
   return allow_tensor_cores && (dk == 64 || dk == 128);
@@ -168,10 +191,16 @@ struct ChunkPrepBackwardArgs {
   // buffer, the layout of the model's split of the conv output (Note [Gradients in the
   // inputs' layout] in ops/gdr_chunk_prep.cc).
   int64_t grad_token_stride = 0;
+  // The wide-head backward only (chunk_prep_backward_uses_scratch(dk), Note [Chunk prep
+  // wide-head backward]): scratch_slots * chunk_prep_backward_scratch_floats(dk, dv) floats
+  // of device memory, 16-byte aligned, and the grid: scratch_slots blocks walk the chunks.
+  float* scratch = nullptr;
+  int64_t scratch_slots = 0;
 };
 
 // Return a cudaError_t as int (cudaSuccess = 0). Callers check chunk_prep_supports first;
-// unsupported shapes return cudaErrorInvalidValue without launching. The variant is
+// unsupported shapes (and a wide-head backward without scratch) return
+// cudaErrorInvalidValue without launching. The variant is
 // chunk_prep_uses_tensor_cores(dk, dv, shape.allow_tensor_cores).
 int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream);
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream);

@@ -235,6 +235,20 @@ __device__ __forceinline__ Vec4 load_vec4(const float* p) {
   return *reinterpret_cast<const Vec4*>(p);
 #endif
 }
+// The same from global memory: the wide-head backward's panel (Note [Chunk prep wide-head
+// backward]), written by this block earlier (so no read-only cache path).
+__device__ __forceinline__ Vec4 load_vec4_global(const float* p) {
+#ifdef __CUDA_ARCH__
+  Vec4 r;
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
+               : "l"(__cvta_generic_to_global(p))
+               : "memory");
+  return r;
+#else
+  return *reinterpret_cast<const Vec4*>(p);
+#endif
+}
 
 // x, as a value the compiler cannot see through: what derives from it is computed afresh.
 // The backward's triangular solve stores its column through row addresses i * pitch;
@@ -782,11 +796,25 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // and dv. With TC, d1 and d2 are swizzled at pitch C from phase 3 on (cc_at), phase 5 also
 // symmetrises d1, and phase 6's products run on tensor cores (dkdq_tc), staged through
 // kl / pm and d1 / d2 into the same register tiles (Note [Chunk prep on tensor cores]).
+//
+// dk = 256 (Note [Chunk prep wide-head backward]): rs is the block's global scratch slot
+// (`scratch`), qstash after it, and phase 6 runs in two passes of 128 columns.
 template <typename TQK, typename TV, int DK, bool TC>
-__device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem) {
+__device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem,
+                                          unsigned block, float* scratch) {
+  constexpr bool kPanelInScratch = DK > kChunkPrepSharedPanelMaxDk;
+  static_assert(!(kPanelInScratch && TC), "the wide-head backward is SIMT only");
   const ChunkPrepShape& s = args.shape;
   const int dv = s.dv, cols = dv + DK, rp = cols + 4;
   constexpr int kp = DK + 4, mp = kC + 1, xp = kSlab + 4;
+  // Row loads of rs, from shared memory or from the scratch slot.
+  auto load_rs4 = [](const float* p) {
+    if constexpr (kPanelInScratch) {
+      return load_vec4_global(p);
+    } else {
+      return load_vec4(p);
+    }
+  };
   // rs, the one region whose size depends on dv, comes last: every other region then
   // starts at a compile-time offset (no base registers to keep live under the 128-register
   // budget).
@@ -804,11 +832,11 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   float* rk = rq + kC;
   float* ks = rk + kC;
   float* qs = ks + kC * kp;
-  float* rs = qs + kC * kp;
+  float* rs = kPanelInScratch ? scratch : qs + kC * kp;
   constexpr int kThreads = kBackwardThreads;
   using Map = TileMap<kThreads>;  // phases 1 and 3 (Note [Chunk prep tile maps])
   const int tid = threadIdx.x;
-  ChunkPlace place = chunk_place(s);
+  ChunkPlace place = chunk_place(s, block);
   const TV* v = static_cast<const TV*>(args.v);
   long long chunk_dv = place.block * kC * dv, chunk_dk = place.block * kC * DK;
 
@@ -842,7 +870,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       }
     }
   }
-  if (tid == 0) fs[0] = __uint_as_float(blockIdx.x);  // its bits, for after phase 2
+  if (tid == 0) fs[0] = __uint_as_float(block);  // its bits, for after phase 2
   copy_rows<kThreads>(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
   copy_rows<kThreads>(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
   __syncthreads();
@@ -861,7 +889,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     for (int i = 0; i < kC; ++i) rs[i * pitch + c] = x[i];
   }
   __syncthreads();
-  // The same place again, from the block index parked in fs (free until phase 5):
+  // The same place again, from the chunk index parked in fs (free until phase 5):
   // otherwise its 64-bit fields (or blockIdx.x, whose read ptxas hoists) stay live in
   // registers, or spilled, through the solve above, whose column alone takes C.
   place = chunk_place(s, __float_as_uint(fs[0]));
@@ -936,7 +964,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
           Vec4 dr[Map::kRows], x[Map::kCols];
 #pragma unroll
           for (int a = 0; a < Map::kRows; ++a) {
-            dr[a] = load_vec4(rs + (ti + Map::kRowThreads * a) * rp + c0 + cc);
+            dr[a] = load_rs4(rs + (ti + Map::kRowThreads * a) * rp + c0 + cc);
           }
 #pragma unroll
           for (int b = 0; b < Map::kCols; ++b) {
@@ -1046,7 +1074,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         vv[m] = real && c0 + m < v_end ? load_float(v + v_row + c0 + m) : 0.0f;
       }
       static_assert(kLoadBatch == 8, "two 16-byte loads per batch");
-      const Vec4 r_lo = load_vec4(rs + i * rp + c0), r_hi = load_vec4(rs + i * rp + c0 + 4);
+      const Vec4 r_lo = load_rs4(rs + i * rp + c0), r_hi = load_rs4(rs + i * rp + c0 + 4);
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
         const float r = m < 4 ? r_lo.v[m] : r_hi.v[m - 4];
@@ -1062,8 +1090,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         gk[m] = grad_kend && in ? grad_kend[i * DK + c0 + m] : 0.0f;
       }
       const Vec4 k_lo = load_vec4(ks + i * kp + c0), k_hi = load_vec4(ks + i * kp + c0 + 4);
-      const Vec4 r_lo = load_vec4(rs + i * rp + dv + c0);
-      const Vec4 r_hi = load_vec4(rs + i * rp + dv + c0 + 4);
+      const Vec4 r_lo = load_rs4(rs + i * rp + dv + c0);
+      const Vec4 r_hi = load_rs4(rs + i * rp + dv + c0 + 4);
       const Vec4 q_lo = load_vec4(qs + i * kp + c0), q_hi = load_vec4(qs + i * kp + c0 + 4);
 #pragma unroll
       for (int m = 0; m < kLoadBatch; ++m) {
@@ -1137,146 +1165,186 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   // Phase 6: dK_ic = sum_j (dKK_ij + dKK_ji) K_jc + dQK_ji Q_jc + beta_i exp(G_i) dRw_ic
   // + dKend_ic exp(G_last - G_i);  dQ_ic = sum_j dQK_ij K_jc + dQd_ic exp(G_i);
   // dq = scale dQ, j in order for every element. Thread (tr, tc) = (tid / 16, tid % 16)
-  // owns rows tr + 32a (a < 2) and columns tc + 16b (b < DK/16): per j it loads 8 C x C
-  // values and 2 DK/16 of K, Q for 6 DK/16 FMAs (acc_k, acc_q: 2 x 2 DK/16 registers). A
-  // warp is two rows of threads: its K, Q reads are 16 consecutive words (broadcast to
-  // both rows), its C x C reads two words.
+  // owns rows tr + 32a (a < 2) and, in each column pass p (one pass of dk columns up to
+  // dk = 128, two of 128 at dk = 256), columns 128 p + tc + 16b (b < kCols): per j it loads
+  // 8 C x C values and 2 kCols of K, Q for 6 kCols FMAs (acc_k, acc_q: 2 x 2 kCols
+  // registers). A warp is two rows of threads: its K, Q reads are 16 consecutive words
+  // (broadcast to both rows), its C x C reads two words.
   {
     constexpr int kColThreads = 16;
     constexpr int kRowThreads = kThreads / kColThreads;
     constexpr int kRows = kC / kRowThreads;
-    constexpr int kCols = DK / kColThreads;
-    static_assert(kThreads % kColThreads == 0 && kC % kRowThreads == 0 && DK % kColThreads == 0,
+    constexpr int kPassCols = DK < 128 ? DK : 128;
+    constexpr int kPasses = DK / kPassCols;
+    constexpr int kCols = kPassCols / kColThreads;
+    static_assert(kThreads % kColThreads == 0 && kC % kRowThreads == 0 &&
+                      kPassCols % kColThreads == 0 && DK % kPassCols == 0,
                   "dk, dq tiles cover the chunk");
+    static_assert(kPasses == 1 || (kPanelInScratch && !TC),
+                  "column passes park raw rows in the scratch slot");
     const int tr = tid / kColThreads, tc = tid % kColThreads;
+    const bool partials = s.head_group > 1;
+    const TQK* q = static_cast<const TQK*>(args.q);
+    // Raw dQ rows between the passes and the L2 norm (kPasses > 1 only); raw dK rows park
+    // in rs's dW columns, which the same thread has just read.
+    float* qstash = rs + kC * rp;
     float acc_k[kRows][kCols], acc_q[kRows][kCols];
+    float dot_q_part[kRows], dot_k_part[kRows];  // the L2 norm's per-thread row dots
 #pragma unroll
-    for (int a = 0; a < kRows; ++a) {
+    for (int a = 0; a < kRows; ++a) dot_q_part[a] = dot_k_part[a] = 0.0f;
+    auto store_rows = [&](int c0) {
 #pragma unroll
-      for (int b = 0; b < kCols; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
-    }
-    if constexpr (TC) {
-      // The products on tensor cores, staged in shared memory (kl and pm: free since
-      // phase 5's part sums; then d1 and d2), read back into the SIMT layout.
-      float* stage0 = kl;
-      float* stage1 = d1;
-      dkdq_tc<DK>(d1, d2, ks, qs, stage0, stage1);
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        if (i >= place.rows) continue;
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          const int c = c0 + tc + kColThreads * b;
+          // Partials (head_group > 1) always take the contiguous layout (stride 0).
+          const long long at = grad_row(s, args.grad_token_stride, place, i, DK) + c;
+          store_qk_grad<TQK>(args.dk, partials, at, acc_k[a][b]);
+          store_qk_grad<TQK>(args.dq, partials, at, acc_q[a][b]);
+        }
+      }
+    };
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int c0 = kPassCols * pass;
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
 #pragma unroll
-        for (int b = 0; b < kCols; ++b) {
-          const int i = tr + kRowThreads * a, c = tc + kColThreads * b;
-          const float* stage = c < kStageCols ? stage0 : stage1;
-          acc_k[a][b] = stage[stage_at(i, c % kStageCols)];
-          acc_q[a][b] = stage[kC * kStageCols + stage_at(i, c % kStageCols)];
-        }
+        for (int b = 0; b < kCols; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
       }
-    } else {
-      for (int j = 0; j < kC; ++j) {
-        float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
-#pragma unroll
-        for (int b = 0; b < kCols; ++b) {
-          kj[b] = ks[j * kp + tc + kColThreads * b];
-          qj[b] = qs[j * kp + tc + kColThreads * b];
-        }
-#pragma unroll
-        for (int a = 0; a < kRows; ++a) {
-          const int i = tr + kRowThreads * a;
-          skk[a] = d1[i * mp + j] + d1[j * mp + i];
-          dqk_ji[a] = d2[j * mp + i];
-          dqk_ij[a] = d2[i * mp + j];
-        }
+      if constexpr (TC) {
+        // The products on tensor cores, staged in shared memory (kl and pm: free since
+        // phase 5's part sums; then d1 and d2), read back into the SIMT layout.
+        float* stage0 = kl;
+        float* stage1 = d1;
+        dkdq_tc<DK>(d1, d2, ks, qs, stage0, stage1);
 #pragma unroll
         for (int a = 0; a < kRows; ++a) {
 #pragma unroll
           for (int b = 0; b < kCols; ++b) {
-            acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
-            acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
-            acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+            const int i = tr + kRowThreads * a, c = tc + kColThreads * b;
+            const float* stage = c < kStageCols ? stage0 : stage1;
+            acc_k[a][b] = stage[stage_at(i, c % kStageCols)];
+            acc_q[a][b] = stage[kC * kStageCols + stage_at(i, c % kStageCols)];
+          }
+        }
+      } else {
+        for (int j = 0; j < kC; ++j) {
+          float kj[kCols], qj[kCols], skk[kRows], dqk_ji[kRows], dqk_ij[kRows];
+#pragma unroll
+          for (int b = 0; b < kCols; ++b) {
+            kj[b] = ks[j * kp + c0 + tc + kColThreads * b];
+            qj[b] = qs[j * kp + c0 + tc + kColThreads * b];
+          }
+#pragma unroll
+          for (int a = 0; a < kRows; ++a) {
+            const int i = tr + kRowThreads * a;
+            skk[a] = d1[i * mp + j] + d1[j * mp + i];
+            dqk_ji[a] = d2[j * mp + i];
+            dqk_ij[a] = d2[i * mp + j];
+          }
+#pragma unroll
+          for (int a = 0; a < kRows; ++a) {
+#pragma unroll
+            for (int b = 0; b < kCols; ++b) {
+              acc_k[a][b] = fmaf(skk[a], kj[b], acc_k[a][b]);
+              acc_k[a][b] = fmaf(dqk_ji[a], qj[b], acc_k[a][b]);
+              acc_q[a][b] = fmaf(dqk_ij[a], kj[b], acc_q[a][b]);
+            }
           }
         }
       }
-    }
-    // acc_k, acc_q become dK and scale dQ: the gradients of the rows as steps 1-6 use them
-    // (after the fused L2 norm, when it is on). Padded rows are formed too but never
-    // stored, so that every thread can take part in the L2 norm's row dots below.
+      // acc_k, acc_q become dK and scale dQ: the gradients of the rows as steps 1-6 use
+      // them (after the fused L2 norm, when it is on). Padded rows are formed too but never
+      // stored, so that every thread can take part in the L2 norm's row dots below.
 #pragma unroll
-    for (int a = 0; a < kRows; ++a) {
-      const int i = tr + kRowThreads * a;
-      const bool real = i < place.rows;
-      const float decay_end = expf(g_last - gs[i]);
-      float dkend[kCols], dqd[kCols];  // loaded before use: Note [Batched global loads]
+      for (int a = 0; a < kRows; ++a) {
+        const int i = tr + kRowThreads * a;
+        const bool real = i < place.rows;
+        const float decay_end = expf(g_last - gs[i]);
+        float dkend[kCols], dqd[kCols];  // loaded before use: Note [Batched global loads]
 #pragma unroll
-      for (int b = 0; b < kCols; ++b) {
-        const int c = tc + kColThreads * b;
-        dkend[b] = grad_kend && real ? grad_kend[i * DK + c] : 0.0f;
-        dqd[b] = grad_qd && real ? grad_qd[i * DK + c] : 0.0f;
+        for (int b = 0; b < kCols; ++b) {
+          const int c = c0 + tc + kColThreads * b;
+          dkend[b] = grad_kend && real ? grad_kend[i * DK + c] : 0.0f;
+          dqd[b] = grad_qd && real ? grad_qd[i * DK + c] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < kCols; ++b) {
+          const int c = c0 + tc + kColThreads * b;
+          acc_k[a][b] = acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end;
+          acc_q[a][b] = (acc_q[a][b] + dqd[b] * es[i]) * s.scale;
+        }
       }
-#pragma unroll
-      for (int b = 0; b < kCols; ++b) {
-        const int c = tc + kColThreads * b;
-        acc_k[a][b] = acc_k[a][b] + bs[i] * es[i] * rs[i * rp + dv + c] + dkend[b] * decay_end;
-        acc_q[a][b] = (acc_q[a][b] + dqd[b] * es[i]) * s.scale;
+      if (!s.l2_normalize_qk) {
+        if constexpr (kPasses > 1) store_rows(c0);
+        continue;
       }
-    }
-    if (s.l2_normalize_qk) {
       // dx = r (dxn - xn <xn, dxn>) (Note [Fused q/k L2 norm]). Row i's columns belong to
-      // the 16 threads with this tr: each adds its kCols products in b order into one
-      // partial per row, then every thread of the row adds the 16 partials in tc order
-      // (the same bits on all 16). xs is free since phase 3.
-      static_assert(2 * kC * kColThreads <= kC * (kSlab + 1), "row dots fit the slab buffer");
-      float* dots = xs;  // [2][C][16]: q's partials, then k's
-      const TQK* q = static_cast<const TQK*>(args.q);
+      // the 16 threads with this tr: each adds its products, columns ascending over the
+      // passes, into one partial per row; after the passes every thread of the row adds
+      // the 16 partials in tc order (the same bits on all 16).
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
         const int i = tr + kRowThreads * a;
         const bool real = i < place.rows;
         const long long q_row = key_row(args.q_strides, place, i);
-        float pq = 0.0f, pk = 0.0f;
 #pragma unroll
         for (int b = 0; b < kCols; ++b) {
-          const int c = tc + kColThreads * b;
+          const int c = c0 + tc + kColThreads * b;
           const float xq = real ? load_float(q + q_row + c) * rq[i] : 0.0f;
-          pq = fmaf(xq, acc_q[a][b], pq);
-          pk = fmaf(ks[i * kp + c], acc_k[a][b], pk);
+          dot_q_part[a] = fmaf(xq, acc_q[a][b], dot_q_part[a]);
+          dot_k_part[a] = fmaf(ks[i * kp + c], acc_k[a][b], dot_k_part[a]);
+          if constexpr (kPasses > 1) {
+            rs[i * rp + dv + c] = acc_k[a][b];
+            qstash[i * DK + c] = acc_q[a][b];
+          }
         }
-        dots[i * kColThreads + tc] = pq;
-        dots[(kC + i) * kColThreads + tc] = pk;
       }
-      __syncthreads();
+    }
+    if (s.l2_normalize_qk) {
+      // xs is free since phase 3.
+      static_assert(2 * kC * kColThreads <= kC * (kSlab + 1), "row dots fit the slab buffer");
+      float* dots = xs;  // [2][C][16]: q's partials, then k's
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
         const int i = tr + kRowThreads * a;
-        if (i >= place.rows) continue;
-        const long long q_row = key_row(args.q_strides, place, i);
-        float dot_q = 0.0f, dot_k = 0.0f;
-        for (int t = 0; t < kColThreads; ++t) {
-          dot_q += dots[i * kColThreads + t];
-          dot_k += dots[(kC + i) * kColThreads + t];
-        }
+        dots[i * kColThreads + tc] = dot_q_part[a];
+        dots[(kC + i) * kColThreads + tc] = dot_k_part[a];
+      }
+      __syncthreads();
+#pragma unroll 1
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int c0 = kPassCols * pass;
 #pragma unroll
-        for (int b = 0; b < kCols; ++b) {
-          const int c = tc + kColThreads * b;
-          const float xq = load_float(q + q_row + c) * rq[i];
-          acc_q[a][b] = rq[i] * fmaf(-xq, dot_q, acc_q[a][b]);
-          acc_k[a][b] = rk[i] * fmaf(-ks[i * kp + c], dot_k, acc_k[a][b]);
+        for (int a = 0; a < kRows; ++a) {
+          const int i = tr + kRowThreads * a;
+          if (i >= place.rows) continue;
+          const long long q_row = key_row(args.q_strides, place, i);
+          float dot_q = 0.0f, dot_k = 0.0f;
+          for (int t = 0; t < kColThreads; ++t) {
+            dot_q += dots[i * kColThreads + t];
+            dot_k += dots[(kC + i) * kColThreads + t];
+          }
+#pragma unroll
+          for (int b = 0; b < kCols; ++b) {
+            const int c = c0 + tc + kColThreads * b;
+            if constexpr (kPasses > 1) {
+              acc_k[a][b] = rs[i * rp + dv + c];
+              acc_q[a][b] = qstash[i * DK + c];
+            }
+            const float xq = load_float(q + q_row + c) * rq[i];
+            acc_q[a][b] = rq[i] * fmaf(-xq, dot_q, acc_q[a][b]);
+            acc_k[a][b] = rk[i] * fmaf(-ks[i * kp + c], dot_k, acc_k[a][b]);
+          }
         }
+        if constexpr (kPasses > 1) store_rows(c0);
       }
     }
-    const bool partials = s.head_group > 1;
-#pragma unroll
-    for (int a = 0; a < kRows; ++a) {
-      const int i = tr + kRowThreads * a;
-      if (i >= place.rows) continue;
-#pragma unroll
-      for (int b = 0; b < kCols; ++b) {
-        const int c = tc + kColThreads * b;
-        // Partials (head_group > 1) always take the contiguous layout (stride 0).
-        const long long at = grad_row(s, args.grad_token_stride, place, i, DK) + c;
-        store_qk_grad<TQK>(args.dk, partials, at, acc_k[a][b]);
-        store_qk_grad<TQK>(args.dq, partials, at, acc_q[a][b]);
-      }
-    }
+    if constexpr (kPasses == 1) store_rows(0);
   }
   for (int e = tid; e < kC * dv; e += kThreads) {
     const int i = e / dv, c = e % dv;
@@ -1284,6 +1352,25 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       store_float(static_cast<TV*>(args.dv) + grad_row(s, args.grad_token_stride, place, i, dv) + c,
                   bs[i] * rs[i * rp + c]);
     }
+  }
+}
+
+// The backward over the grid: block b runs chunk b; the wide-head backward (Note [Chunk prep
+// wide-head backward]) runs args.scratch_slots blocks, block b taking chunks b, b + slots,
+// ... in turn in its own scratch slot (chunk_prep_backward_scratch_floats floats).
+template <typename TQK, typename TV, int DK, bool TC>
+__device__ void chunk_prep_backward_grid(const ChunkPrepBackwardArgs& args, float* smem) {
+  if constexpr (DK > kChunkPrepSharedPanelMaxDk) {
+    const ChunkPrepShape& s = args.shape;
+    const long long chunks = s.batch * s.heads * s.chunks;
+    const long long slot_floats = kC * (s.dv + DK + 4LL) + kC * DK;  // NOTE: as the header's
+    float* scratch = args.scratch + blockIdx.x * slot_floats;
+    for (long long chunk = blockIdx.x; chunk < chunks; chunk += args.scratch_slots) {
+      chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem, static_cast<unsigned>(chunk), scratch);
+      __syncthreads();  // the next chunk rewrites the shared memory and the slot
+    }
+  } else {
+    chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem, blockIdx.x, nullptr);
   }
 }
 

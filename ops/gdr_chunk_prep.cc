@@ -449,8 +449,9 @@ void check_kernel_inputs(const char* op, const at::Tensor& q, const at::Tensor& 
               " rows but got chunk_size = ", chunk_size);
   const int64_t dk = q.size(3), dv = v.size(3);
   TORCH_CHECK(kernels::chunk_prep_supports(dk, dv), op,
-              ": the CUDA implementation expects dk in {64, 128} and dv a multiple of 16 within "
-              "the shared-memory limit (dv <= 208 at dk = 128) but got dk = ",
+              ": the CUDA implementation expects dk in {64, 128, 256} and dv a multiple of 16 "
+              "within the shared-memory limit (dv <= 400, 208, 624 at dk = 64, 128, 256) but got "
+              "dk = ",
               dk, ", dv = ", dv);
 }
 

@@ -12,12 +12,14 @@
 // [Chunk state scan determinism], Note [Chunk GEMM determinism]) and the cuBLAS products
 // and the dGlast sum are ATen's deterministic ops. Registered for the CUDA dispatch key;
 // linked into CUDA binaries only.
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <string_view>
@@ -163,10 +165,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_pre
   const c10::cuda::CUDAGuard device_guard(q.device());
   return chunk_prep_internal::backward_via_kernel(
       grad_u, grad_w, grad_qd, grad_p, grad_kend, grad_g_last, q, k, v, g, beta, u, w, scale,
-      chunk_size, l2_normalize_qk, [](const kernels::ChunkPrepBackwardArgs& args) {
-        check_prep_launch(kernels::launch_chunk_prep_backward(
-                              with_prep_variant(args), c10::cuda::getCurrentCUDAStream().stream()),
-                          "backward kernel");
+      chunk_size, l2_normalize_qk, [&q](const kernels::ChunkPrepBackwardArgs& args) {
+        kernels::ChunkPrepBackwardArgs chosen = with_prep_variant(args);
+        // The wide-head backward's scratch (Note [Chunk prep wide-head backward]): one slot
+        // per SM (one block fits an SM), fewer for fewer chunks; from the caching allocator,
+        // freed in stream order after the launch.
+        at::Tensor scratch;
+        const int64_t slot_floats =
+            kernels::chunk_prep_backward_scratch_floats(args.shape.dk, args.shape.dv);
+        if (slot_floats > 0) {
+          const int64_t chunks = args.shape.batch * args.shape.heads * args.shape.chunks;
+          const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+          chosen.scratch_slots = std::max<int64_t>(1, std::min(chunks, sms));
+          scratch = at::empty({chosen.scratch_slots * slot_floats}, q.options().dtype(at::kFloat));
+          chosen.scratch = scratch.data_ptr<float>();
+        }
+        check_prep_launch(
+            kernels::launch_chunk_prep_backward(chosen, c10::cuda::getCurrentCUDAStream().stream()),
+            "backward kernel");
       });
 }
 

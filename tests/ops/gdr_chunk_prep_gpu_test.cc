@@ -1,5 +1,5 @@
 // GPU tests of the chunk prep (tag gpu): the CUDA op (one kernel each way) against the CPU
-// FP64 reference op, forward and backward, FP32 and BF16 inputs, dk in {64, 128}, dv != dk,
+// FP64 reference op, forward and backward, FP32 and BF16 inputs, dk in {64, 128, 256}, dv != dk,
 // T not a multiple of 64; the whole gated_delta_rule_chunked with GDR_CORE_PREP=kernel
 // against aten (outputs and gradients of q, k, v, g, beta, initial_state; FP32 tight
 // against the FP64 CPU result, BF16 within a stated tolerance of the aten path); the
@@ -103,9 +103,16 @@ std::vector<at::Tensor> make_upstream(const Inputs& x, const at::TensorOptions& 
 
 TEST(ChunkPrepGpu, ForwardAndBackwardMatchTheFp64CpuReference) {
   const std::vector<OpCase> cases = {
-      {1, 2048, 4, 128, 128, at::kFloat},    {2, 200, 3, 64, 128, at::kFloat},
-      {1, 130, 2, 128, 64, at::kFloat},      {1, 100, 2, 64, 48, at::kFloat},
-      {1, 2085, 2, 128, 128, at::kBFloat16}, {2, 70, 3, 64, 96, at::kBFloat16},
+      {1, 2048, 4, 128, 128, at::kFloat},
+      {2, 200, 3, 64, 128, at::kFloat},
+      {1, 130, 2, 128, 64, at::kFloat},
+      {1, 100, 2, 64, 48, at::kFloat},
+      {1, 2085, 2, 128, 128, at::kBFloat16},
+      {2, 70, 3, 64, 96, at::kBFloat16},
+      // dk = 256, the wide-head backward (Note [Chunk prep wide-head backward]): 260 chunks
+      // walked by one block per SM (more chunks than SMs), a tail; BF16 with dv != dk.
+      {2, 4160, 2, 256, 256, at::kFloat},
+      {1, 200, 3, 256, 128, at::kBFloat16},
   };
   for (const OpCase& c : cases) {
     const bool bf16 = c.dtype == at::kBFloat16;
@@ -236,8 +243,9 @@ TEST(ChunkPrepGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
     FAIL() << "dk = 32 must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "chunk_prep: the CUDA implementation expects dk in {64, 128} and dv a multiple of "
-              "16 within the shared-memory limit (dv <= 208 at dk = 128) but got dk = 32, dv = 64");
+              "chunk_prep: the CUDA implementation expects dk in {64, 128, 256} and dv a multiple "
+              "of 16 within the shared-memory limit (dv <= 400, 208, 624 at dk = 64, 128, 256) "
+              "but got dk = 32, dv = 64");
   }
 }
 
@@ -407,6 +415,12 @@ TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
   const Inputs small_dk = make_inputs(1, 100, 2, 32, 64, false, at::kFloat, 3);
   gated_delta_rule_chunked(small_dk.q, small_dk.k, small_dk.v, small_dk.g, small_dk.beta, 0.2);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << "dk = 32";
+  const Inputs wide = make_inputs(1, 100, 2, 256, 256, false, at::kFloat, 5);
+  gated_delta_rule_chunked(wide.q, wide.k, wide.v, wide.g, wide.beta, 0.2);
+  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << "dk = 256";
+  const Inputs too_wide = make_inputs(1, 100, 1, 256, 640, false, at::kFloat, 6);
+  gated_delta_rule_chunked(too_wide.q, too_wide.k, too_wide.v, too_wide.g, too_wide.beta, 0.2);
+  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << "dk = 256, dv = 640";
   gated_delta_rule_chunked(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2, std::nullopt, false, 16);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << "chunk_size = 16";
   gated_delta_rule_chunked(ok.q.to(at::kDouble), ok.k.to(at::kDouble), ok.v.to(at::kDouble), ok.g,
@@ -503,6 +517,9 @@ TEST(ChunkPrepGpu, FusedNormAndHeadGroupsMatchTheFp64CpuReference) {
       {2, 200, 2, 4, 64, 128, at::kFloat, at::kFloat, false},
       {1, 130, 4, 1, 128, 64, at::kFloat, at::kFloat, false},
       {2, 70, 1, 4, 128, 96, at::kBFloat16, at::kBFloat16, false},
+      // dk = 256: the norm's row dots over two column passes, with and without head groups.
+      {1, 2085, 4, 2, 256, 256, at::kBFloat16, at::kFloat, false},
+      {1, 130, 2, 1, 256, 128, at::kFloat, at::kFloat, false},
   };
   for (const FusedCase& c : cases) {
     const FusedInputs x = make_fused_inputs(c.B, c.T, c.Hk, c.group, c.dk, c.dv, c.qk_dtype,
@@ -559,6 +576,8 @@ TEST_F(GdrCorePrepGpu, FusedNormKernelPrepMatchesTheCompositeInOutputsAndGradien
       {2, 2085, 2, 2, 128, 128, at::kFloat, at::kFloat, true},
       {1, 200, 1, 4, 64, 128, at::kFloat, at::kFloat, false},
       {1, 100, 2, 2, 128, 64, at::kBFloat16, at::kBFloat16, true},
+      // dk = dv = 256: the whole core on the wide-head prep and the dk = 256 scan.
+      {1, 2048, 4, 2, 256, 256, at::kBFloat16, at::kFloat, true},
   };
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   set_gdr_core_impl(GdrCoreImpl::kKernel);
@@ -683,6 +702,27 @@ TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStr
   EXPECT_EQ(core_mismatches, 0)
       << "gated_delta_rule_chunked with GdrQkNorm::kL2 (prep kernel, step 7 kernel) forward "
          "and gradients must give identical bits on every replay";
+}
+
+// dk = dv = 256 (Note [Chunk prep wide-head backward]): 2 x 8 x 33 = 528 chunks, four per
+// SM slot on an H200, walked through the per-block scratch slots; the fused norm's two-pass
+// row dots with head groups; the core and the op each 100 times under load.
+TEST_F(GdrCorePrepGpu, WideHeadsReplayBitwiseWhileAnotherStreamLoadsTheGpu) {
+  set_gdr_core_prep(GdrCorePrep::kKernel);
+  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  const FusedInputs x =
+      make_fused_inputs(2, 2085, 4, 2, 256, 256, at::kBFloat16, at::kFloat, true, 79);
+  const at::Tensor w_o = at::randn({2, 2085, 8, 256}, kCuda);
+  const at::Tensor w_s = at::randn({2, 8, 256, 256}, kCuda);
+  const Results first_core = run_fused_core(x, w_o, w_s);
+  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel);
+  const std::vector<at::Tensor> up = make_fused_upstream(x);
+  const Results first_op = run_fused_op(x, 0.0625, up);
+  const ReplayMismatches mismatches =
+      replay_under_contention([&] { return run_fused_core(x, w_o, w_s); }, first_core,
+                              [&] { return run_fused_op(x, 0.0625, up); }, first_op);
+  EXPECT_EQ(mismatches.second, 0) << "the dk = 256 chunk prep op must replay bitwise";
+  EXPECT_EQ(mismatches.first, 0) << "the dk = 256 core forward and gradients must replay bitwise";
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadGroups, GdrCoreFusedNormReplays, testing::Values(1, 2),

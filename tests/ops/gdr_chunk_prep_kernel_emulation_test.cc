@@ -2,7 +2,7 @@
 // host code with stand-ins for the CUDA built-ins (one std::thread per CUDA thread, a
 // barrier for __syncthreads, a per-block buffer for the dynamic shared memory, one block
 // at a time), driven by the CUDA op's own code (chunk_prep_internal::forward_via_kernel /
-// backward_via_kernel), and checked against the CPU reference op in FP64: both head dims
+// backward_via_kernel), and checked against the CPU reference op in FP64: the three head dims
 // the kernels support, dv != dk, T not a multiple of 64 (a padded tail chunk), FP32 and
 // BF16 inputs, absent upstream gradients, inputs read in place as strided views (q, k, v
 // slices of one wider projection; g, beta transposed). The fused q / k L2 norm and head
@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -69,9 +70,11 @@ using chunk_prep_detail::Bf16;
 // Every block of the grid in turn, each with `threads` host threads (the kernel's block
 // size: kChunkPrepForwardThreads or kChunkPrepBackwardThreads) and a fresh shared-memory
 // buffer filled with NaN (so a read of a slot nobody wrote shows).
+// `grid`: the blocks launched, when not one per chunk (the wide-head backward's slots).
 template <typename Args, typename Body>
-void run_grid(const Args& args, int64_t smem_floats, int threads, const Body& body) {
-  const int64_t blocks = args.shape.batch * args.shape.heads * args.shape.chunks;
+void run_grid(const Args& args, int64_t smem_floats, int threads, const Body& body,
+              int64_t grid = 0) {
+  const int64_t blocks = grid > 0 ? grid : args.shape.batch * args.shape.heads * args.shape.chunks;
   std::vector<float> smem(smem_floats);
   // The bodies read some shared rows as 16-byte vectors (ld.shared.v4 on the GPU, whose
   // dynamic shared memory is at least 16-byte aligned); the host buffer must match.
@@ -128,20 +131,39 @@ void emulate_forward(const ChunkPrepForwardArgs& args) {
   emulate_forward_tc<false>(args);
 }
 
+// Scratch slots of the emulated wide-head backward (the CUDA op layer uses one per SM):
+// two, so that with three or more chunks a block walks several and reuses its slot.
+constexpr int64_t kEmulatedScratchSlots = 2;
+
 template <int DK, bool TC>
-void emulate_backward_dk(const ChunkPrepBackwardArgs& args) {
-  const ChunkPrepShape& s = args.shape;
+void emulate_backward_dk(const ChunkPrepBackwardArgs& given) {
+  const ChunkPrepShape& s = given.shape;
   const int64_t floats = chunk_prep_backward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
+  ChunkPrepBackwardArgs args = given;
+  // The wide-head backward's global scratch (Note [Chunk prep wide-head backward]), NaN
+  // like the shared memory, as the CUDA op layer allocates it (ops/gdr_core_cuda.cc).
+  std::vector<float> scratch;
+  int64_t grid = 0;
+  if (chunk_prep_backward_uses_scratch(s.dk)) {
+    const int64_t chunks = s.batch * s.heads * s.chunks;
+    args.scratch_slots = std::min(chunks, kEmulatedScratchSlots);
+    scratch.assign(args.scratch_slots * chunk_prep_backward_scratch_floats(s.dk, s.dv) + 4, NAN);
+    // 16-byte aligned, as the caching allocator's blocks are.
+    float* base = scratch.data();
+    while (reinterpret_cast<uintptr_t>(base) % 16 != 0) ++base;
+    args.scratch = base;
+    grid = args.scratch_slots;
+  }
   if (s.qk_input == ChunkPrepInput::kFloat) {
     run_grid(args, floats, kChunkPrepBackwardThreads,
-             chunk_prep_backward_block<float, float, DK, TC>);
+             chunk_prep_backward_grid<float, float, DK, TC>, grid);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, kChunkPrepBackwardThreads,
-             chunk_prep_backward_block<Bf16, float, DK, TC>);
+    run_grid(args, floats, kChunkPrepBackwardThreads, chunk_prep_backward_grid<Bf16, float, DK, TC>,
+             grid);
   } else {
-    run_grid(args, floats, kChunkPrepBackwardThreads,
-             chunk_prep_backward_block<Bf16, Bf16, DK, TC>);
+    run_grid(args, floats, kChunkPrepBackwardThreads, chunk_prep_backward_grid<Bf16, Bf16, DK, TC>,
+             grid);
   }
 }
 
@@ -149,10 +171,14 @@ void emulate_backward(const ChunkPrepBackwardArgs& args) {
   ASSERT_TRUE(chunk_prep_supports(args.shape.dk, args.shape.dv));
   ASSERT_TRUE(chunk_prep_supports_inputs(args.shape.qk_input, args.shape.v_input));
   const bool tc = emulated_tc(args.shape);
-  if (args.shape.dk == 64) {
-    return tc ? emulate_backward_dk<64, true>(args) : emulate_backward_dk<64, false>(args);
+  switch (args.shape.dk) {
+    case 64: return tc ? emulate_backward_dk<64, true>(args) : emulate_backward_dk<64, false>(args);
+    case 128:
+      return tc ? emulate_backward_dk<128, true>(args) : emulate_backward_dk<128, false>(args);
+    default:
+      ASSERT_FALSE(tc) << "dk = 256 has no tensor-core variant";
+      emulate_backward_dk<256, false>(args);
   }
-  tc ? emulate_backward_dk<128, true>(args) : emulate_backward_dk<128, false>(args);
 }
 
 struct Case {
@@ -198,8 +224,9 @@ class ChunkPrepKernelEmulation : public ::testing::TestWithParam<std::tuple<Case
 
 TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {
   const Case c = std::get<0>(GetParam());
-  const bool tc = std::get<1>(GetParam());
-  const TensorCoresAllowed allowed(tc);
+  const TensorCoresAllowed allowed(std::get<1>(GetParam()));
+  // dk = 256 runs SIMT whatever the switch says (chunk_prep_uses_tensor_cores).
+  const bool tc = chunk_prep_uses_tensor_cores(c.dk, c.dv, std::get<1>(GetParam()));
   g_mma_count = 0;
   at::manual_seed(c.T + c.dk + c.dv);
   at::Tensor q = at::randn({c.B, c.T, c.H, c.dk}), k = at::randn({c.B, c.T, c.H, c.dk});
@@ -328,7 +355,15 @@ INSTANTIATE_TEST_SUITE_P(
                                          // columns leave half of phase 5's 8 parts of v
                                          // empty (400: 100 groups, parts of 12 and 13).
                                          Case{1, 30, 1, 64, 400, at::kFloat, true},
-                                         Case{1, 70, 1, 64, 16, at::kFloat, true}),
+                                         Case{1, 70, 1, 64, 16, at::kFloat, true},
+                                         // dk = 256, the wide-head backward (Note [Chunk
+                                         // prep wide-head backward]): 2 slots walking 4
+                                         // and 3 chunks (a tail), dv + dk = 512 and 576
+                                         // (two solve columns for some threads), strided
+                                         // BF16.
+                                         Case{1, 200, 1, 256, 256, at::kFloat, true},
+                                         Case{1, 130, 1, 256, 320, at::kFloat, false},
+                                         Case{2, 70, 1, 256, 64, at::kBFloat16, true, true}),
                        ::testing::Bool()),
     [](const ::testing::TestParamInfo<std::tuple<Case, bool>>& info) {
       return describe(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_tc" : "_simt");
@@ -495,7 +530,11 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{1, 30, 1, 4, 64, 48, at::kBFloat16, at::kBFloat16},
         FusedCase{1, 70, 1, 2, 64, 32, at::kHalf, at::kFloat, true, true},
         FusedCase{1, 100, 1, 2, 64, 32, at::kFloat, at::kFloat, false},
-        FusedCase{1, 70, 2, 2, 128, 64, at::kBFloat16, at::kFloat, false, true}),
+        FusedCase{1, 70, 2, 2, 128, 64, at::kBFloat16, at::kFloat, false, true},
+        // dk = 256: the L2 norm's row dots over two column passes (raw rows parked in the
+        // scratch slot), with and without head groups.
+        FusedCase{1, 200, 1, 2, 256, 128, at::kBFloat16, at::kFloat, true, true},
+        FusedCase{1, 130, 1, 1, 256, 256, at::kFloat, at::kFloat}),
     [](const ::testing::TestParamInfo<FusedCase>& info) { return describe(info.param); });
 
 // Note [Gradients in the inputs' layout]: q, k, v as the consecutive column slices of one
@@ -567,9 +606,18 @@ TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
     FAIL() << "dk = 32 must be refused";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "chunk_prep: the CUDA implementation expects dk in {64, 128} and dv a multiple of "
-              "16 within the shared-memory limit (dv <= 208 at dk = 128) but got dk = 32, dv = 64");
+              "chunk_prep: the CUDA implementation expects dk in {64, 128, 256} and dv a multiple "
+              "of 16 within the shared-memory limit (dv <= 400, 208, 624 at dk = 64, 128, 256) "
+              "but got dk = 32, dv = 64");
   }
+  // The limits the message states, at their edges.
+  EXPECT_TRUE(chunk_prep_supports(64, 400));
+  EXPECT_FALSE(chunk_prep_supports(64, 416));
+  EXPECT_TRUE(chunk_prep_supports(128, 208));
+  EXPECT_FALSE(chunk_prep_supports(128, 224));
+  EXPECT_TRUE(chunk_prep_supports(256, 624));
+  EXPECT_FALSE(chunk_prep_supports(256, 640));
+  EXPECT_FALSE(chunk_prep_supports(256, 120));  // dv a multiple of 16
 }
 
 }  // namespace
