@@ -497,6 +497,24 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
 // counter.
 __device__ unsigned int g_gate_ticket_slots[kGateTicketSlots * kGateTicketColumns];
 
+// The last step of both ordered variants, for one output slot: its kReduceRows row sums
+// added in row order, the total stored to dA_log (slot < heads) or ddt_bias. One
+// definition, so that the single-pass tail and the two-pass reduce kernel cannot drift
+// apart in order (the GPU test holds them to equal bits).
+template <typename Param, typename Slot>
+__device__ __forceinline__ void store_ordered_total(
+    const float (&row_sums)[kReduceRows][kReduceSlotsPerBlock], int lane, Slot slot, Slot heads,
+    Param* dA_log, Param* ddt_bias) {
+  float total = 0.0f;
+#pragma unroll 8
+  for (int r = 0; r < kReduceRows; ++r) total += row_sums[r][lane];
+  if (slot < heads) {
+    store_from_float(dA_log + slot, total);
+  } else {
+    store_from_float(ddt_bias + (slot - heads), total);
+  }
+}
+
 // Virtual rows per thread in the tail: kReduceRows over the (threads / 32) thread rows of
 // the smallest block the single pass takes.
 constexpr int kTailRowsPerThread = kReduceRows / (kSinglePassMinThreads / 32);
@@ -560,14 +578,8 @@ __device__ __forceinline__ void single_pass_tail(const GateBackwardArgs& args,
     }
     __syncthreads();
     if (thread_row == 0 && active) {
-      float total = 0.0f;
-#pragma unroll 8
-      for (int r = 0; r < kReduceRows; ++r) total += tail_sums[r][lane];
-      if (slot < heads) {
-        store_from_float(static_cast<Param*>(args.dA_log) + slot, total);
-      } else {
-        store_from_float(static_cast<Param*>(args.ddt_bias) + (slot - heads), total);
-      }
+      store_ordered_total(tail_sums, lane, slot, heads, static_cast<Param*>(args.dA_log),
+                          static_cast<Param*>(args.ddt_bias));
     }
     __syncthreads();
   }
@@ -662,13 +674,7 @@ __global__ void __launch_bounds__(kReduceSlotsPerBlock* kReduceRows)
   sums[row][lane] = acc;
   __syncthreads();
   if (row != 0 || slot >= slots) return;
-  float total = 0.0f;
-  for (int r = 0; r < kReduceRows; ++r) total += sums[r][lane];
-  if (slot < heads) {
-    store_from_float(dA_log + slot, total);
-  } else {
-    store_from_float(ddt_bias + (slot - heads), total);
-  }
+  store_ordered_total(sums, lane, slot, heads, dA_log, ddt_bias);
 }
 
 // ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <array>
-#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -22,6 +21,7 @@
 
 #include "kernels/pre_gdr_gate_math.h"
 #include "ops/determinism.h"
+#include "ops/env_choice.h"
 #include "ops/pre_gdr_gate_internal.h"
 
 namespace gdr {
@@ -133,11 +133,6 @@ PreGdrGateBackwardRecord pre_gdr_gate_last_backward() {
 // ---------------------------------------------------------------------------
 // Tile override and selection
 
-namespace {
-std::mutex g_override_mutex;
-std::optional<kernels::GateTile> g_tile_override;
-}  // namespace
-
 kernels::GateTile parse_gate_tile(const std::string& text, const std::string& source) {
   std::vector<int> parts;
   std::stringstream stream(text);
@@ -162,46 +157,52 @@ kernels::GateTile parse_gate_tile(const std::string& text, const std::string& so
   return tile;
 }
 
-void set_pre_gdr_gate_tile_override(std::optional<kernels::GateTile> tile) {
-  if (tile.has_value()) {
-    const std::string problem = kernels::validate_gate_tile(*tile);
-    TORCH_CHECK(problem.empty(), "set_pre_gdr_gate_tile_override: tile ", kernels::to_string(*tile),
-                " cannot be launched: ", problem);
-  }
-  std::lock_guard<std::mutex> lock(g_override_mutex);
-  g_tile_override = tile;
-}
-
-std::optional<kernels::GateTile> pre_gdr_gate_tile_override() {
-  {
-    std::lock_guard<std::mutex> lock(g_override_mutex);
-    if (g_tile_override.has_value()) return g_tile_override;
-  }
-  const char* env = std::getenv("GDR_PRE_GDR_GATE_TILE");
-  if (env == nullptr || env[0] == '\0') return std::nullopt;
-  return parse_gate_tile(env, "GDR_PRE_GDR_GATE_TILE");
-}
-
 namespace {
-std::atomic<int> g_ordered_variant{static_cast<int>(OrderedVariant::kAuto)};
-}  // namespace
 
-void set_pre_gdr_gate_ordered_variant(OrderedVariant variant) {
-  g_ordered_variant.store(static_cast<int>(variant));
+// GDR_PRE_GDR_GATE_TILE under set_pre_gdr_gate_tile_override: no override and no variable
+// give no tile (the selection rule decides).
+OverridableSwitch<std::optional<kernels::GateTile>>& tile_switch() {
+  static OverridableSwitch<std::optional<kernels::GateTile>> the_switch(
+      "GDR_PRE_GDR_GATE_TILE", std::nullopt,
+      [](const std::string& text, const std::string& source) {
+        return std::optional<kernels::GateTile>(parse_gate_tile(text, source));
+      });
+  return the_switch;
 }
 
-OrderedVariant pre_gdr_gate_ordered_variant() {
-  const auto set = static_cast<OrderedVariant>(g_ordered_variant.load());
-  if (set != OrderedVariant::kAuto) return set;
-  const char* env = std::getenv("GDR_PRE_GDR_GATE_ORDERED");
-  if (env == nullptr || env[0] == '\0') return OrderedVariant::kAuto;
-  const std::string value(env);
+OrderedVariant parse_ordered_variant(const std::string& value, const std::string& source) {
   if (value == "single_pass") return OrderedVariant::kSinglePass;
   if (value == "two_pass") return OrderedVariant::kTwoPass;
   if (value == "auto") return OrderedVariant::kAuto;
-  TORCH_CHECK(false, "GDR_PRE_GDR_GATE_ORDERED: expected single_pass, two_pass or auto, but got '",
-              value, "'");
+  TORCH_CHECK(false, source, ": expected single_pass, two_pass or auto, but got '", value, "'");
 }
+
+// GDR_PRE_GDR_GATE_ORDERED under set_pre_gdr_gate_ordered_variant.
+OverridableSwitch<OrderedVariant>& ordered_variant_switch() {
+  static OverridableSwitch<OrderedVariant> the_switch(
+      "GDR_PRE_GDR_GATE_ORDERED", OrderedVariant::kAuto, &parse_ordered_variant);
+  return the_switch;
+}
+
+}  // namespace
+
+void set_pre_gdr_gate_tile_override(std::optional<kernels::GateTile> tile) {
+  if (!tile.has_value()) return tile_switch().set_override(std::nullopt);
+  const std::string problem = kernels::validate_gate_tile(*tile);
+  TORCH_CHECK(problem.empty(), "set_pre_gdr_gate_tile_override: tile ", kernels::to_string(*tile),
+              " cannot be launched: ", problem);
+  tile_switch().set_override(std::make_optional(tile));
+}
+
+std::optional<kernels::GateTile> pre_gdr_gate_tile_override() { return tile_switch().get(); }
+
+// kAuto clears the override (the variable, then the automatic choice, decide again).
+void set_pre_gdr_gate_ordered_variant(OrderedVariant variant) {
+  ordered_variant_switch().set_override(
+      variant == OrderedVariant::kAuto ? std::nullopt : std::optional<OrderedVariant>(variant));
+}
+
+OrderedVariant pre_gdr_gate_ordered_variant() { return ordered_variant_switch().get(); }
 
 TileSelection<kernels::GateTile> select_pre_gdr_gate_tile(
     const kernels::GateShape& shape, const std::string& dtype_key, int device_index,

@@ -422,6 +422,26 @@ TEST(GateTileOverride, EnvironmentVariableIsReadAndValidated) {
   EXPECT_EQ(pre_gdr_gate_tile_override(), std::nullopt);
 }
 
+TEST(GateOrderedVariant, OverrideThenEnvironmentThenAuto) {
+  unsetenv("GDR_PRE_GDR_GATE_ORDERED");
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kAuto);
+  setenv("GDR_PRE_GDR_GATE_ORDERED", "single_pass", 1);
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kSinglePass);
+  setenv("GDR_PRE_GDR_GATE_ORDERED", "two_pass", 1);
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kTwoPass);
+  setenv("GDR_PRE_GDR_GATE_ORDERED", "twopass", 1);
+  EXPECT_EQ(error_of([] { pre_gdr_gate_ordered_variant(); }),
+            "GDR_PRE_GDR_GATE_ORDERED: expected single_pass, two_pass or auto, but got "
+            "'twopass'");
+  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);  // the API wins
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kSinglePass);
+  setenv("GDR_PRE_GDR_GATE_ORDERED", "two_pass", 1);
+  set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);  // clears it: the variable again
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kTwoPass);
+  unsetenv("GDR_PRE_GDR_GATE_ORDERED");
+  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kAuto);
+}
+
 // ---------------------------------------------------------------------------
 // Deterministic-mode resolution.
 
