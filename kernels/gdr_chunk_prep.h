@@ -45,8 +45,11 @@ namespace gdr::kernels {
 constexpr int kChunkPrepChunk = 64;  // C: chunk length the kernels are built for
 // Threads per block. The forward (83 KiB of shared memory at dk = 128) runs two blocks of
 // 8 warps per SM; the backward (up to 227 KiB) fits only one block per SM, so it runs 16
-// warps (at most 128 registers per thread) to keep 4 warps per scheduler resident.
+// warps (at most 128 registers per thread) to keep 4 warps per scheduler resident. So does
+// the forward where its shared memory leaves room for one block only
+// (chunk_prep_forward_threads: dk = 256, 179 KiB at dv = 256).
 constexpr int kChunkPrepForwardThreads = 256;
+constexpr int kChunkPrepWideForwardThreads = 512;
 constexpr int kChunkPrepBackwardThreads = 512;
 constexpr int kChunkPrepSlab = 32;  // [U | W] columns staged per step of dM = -dR X^T
 // Dynamic shared memory one block may use (H100 / H200: 227 KiB opt-in).
@@ -95,6 +98,17 @@ inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t panel = chunk_prep_backward_uses_scratch(dk) ? 0 : C * (dv + dk + 4);
   return 2 * C * (dk + 4) + panel + 4 * C * (C + 1) + C * (kChunkPrepSlab + 4) + 7 * C;
 }
+// The forward's block size for these shapes: kChunkPrepForwardThreads where two blocks'
+// shared memory fit an SM (228 KiB, 1 KiB of it reserved per block), else
+// kChunkPrepWideForwardThreads. The same arithmetic either way (every product element and
+// solve column is one thread's fixed-order sum, whichever thread), so the same bits.
+constexpr int64_t kChunkPrepSmSharedBytes = 228 * 1024;
+inline int chunk_prep_forward_threads(int64_t dk, int64_t dv) {
+  return 2 * (chunk_prep_forward_smem_floats(dk, dv) * 4 + 1024) <= kChunkPrepSmSharedBytes
+             ? kChunkPrepForwardThreads
+             : kChunkPrepWideForwardThreads;
+}
+
 // Global scratch floats per slot of the wide-head backward; 0 when it needs none.
 inline int64_t chunk_prep_backward_scratch_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;

@@ -664,7 +664,8 @@ __device__ __forceinline__ bool aligned_pairs(const void* base, const TokenStrid
          st.token % 2 == 0 && st.head % 2 == 0;
 }
 
-template <typename TQK, typename TV, bool TC>
+// Threads: kForwardThreads, or 512 where one block fills an SM (chunk_prep_forward_threads).
+template <typename TQK, typename TV, bool TC, int Threads = kForwardThreads>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
@@ -678,7 +679,8 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* rq = es + kC;
   float* rk = rq + kC;
   float* vstage = rk + kC;  // C x dv BF16 (Note [Chunk prep BF16 value staging])
-  constexpr int kThreads = kForwardThreads;
+  constexpr int kThreads = Threads;
+  static_assert(!TC || Threads == kForwardThreads, "the tensor-core forward runs 256 threads");
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TV* v = static_cast<const TV*>(args.v);

@@ -678,25 +678,37 @@ TEST_P(GdrCorePrepReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLo
 // The model's call on its training shapes: raw BF16 q, k read in place from the conv row,
 // FP32 v, the L2 norm fused, H = Hk (0.8B) and H = 2 Hk (the per-value-head dq / dk
 // partials and their ordered sum); the core forward and gradients and the op each way.
+// And dk = dv = 256 (Note [Chunk prep wide-head backward]): 2 x 8 x 33 = 528 chunks, four
+// per SM slot on an H200, walked through the per-block scratch slots, with the fused
+// norm's two-pass row dots, head groups and an initial state.
+struct FusedReplayCase {
+  const char* name;
+  int64_t B, T, Hk, group, d;
+  bool initial_state;
+  uint64_t seed;
+};
+
 class GdrCoreFusedNormReplays : public GdrCorePrepGpu,
-                                public testing::WithParamInterface<int64_t> {};
+                                public testing::WithParamInterface<FusedReplayCase> {};
 
 TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
   set_gdr_core_prep(GdrCorePrep::kKernel);
   set_gdr_core_impl(GdrCoreImpl::kKernel);
-  const int64_t group = GetParam(), Hk = 16 / group;
-  const FusedInputs x =
-      make_fused_inputs(1, 2048, Hk, group, 128, 128, at::kBFloat16, at::kFloat, false, 77);
-  const at::Tensor w_o = at::randn({1, 2048, 16, 128}, kCuda);
-  const at::Tensor w_s = at::randn({1, 16, 128, 128}, kCuda);
+  const FusedReplayCase& c = GetParam();
+  const int64_t H = c.Hk * c.group;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  const FusedInputs x = make_fused_inputs(c.B, c.T, c.Hk, c.group, c.d, c.d, at::kBFloat16,
+                                          at::kFloat, c.initial_state, c.seed);
+  const at::Tensor w_o = at::randn({c.B, c.T, H, c.d}, kCuda);
+  const at::Tensor w_s = at::randn({c.B, H, c.d, c.d}, kCuda);
   const Results first_core = run_fused_core(x, w_o, w_s);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel);
   const std::vector<at::Tensor> up = make_fused_upstream(x);
-  const Results first_op = run_fused_op(x, 0.088, up);
+  const Results first_op = run_fused_op(x, scale, up);
 
   const ReplayMismatches mismatches =
       replay_under_contention([&] { return run_fused_core(x, w_o, w_s); }, first_core,
-                              [&] { return run_fused_op(x, 0.088, up); }, first_op);
+                              [&] { return run_fused_op(x, scale, up); }, first_op);
   const int core_mismatches = mismatches.first, op_mismatches = mismatches.second;
   EXPECT_EQ(op_mismatches, 0) << "the fused chunk prep op must give identical bits on every replay";
   EXPECT_EQ(core_mismatches, 0)
@@ -704,30 +716,13 @@ TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStr
          "and gradients must give identical bits on every replay";
 }
 
-// dk = dv = 256 (Note [Chunk prep wide-head backward]): 2 x 8 x 33 = 528 chunks, four per
-// SM slot on an H200, walked through the per-block scratch slots; the fused norm's two-pass
-// row dots with head groups; the core and the op each 100 times under load.
-TEST_F(GdrCorePrepGpu, WideHeadsReplayBitwiseWhileAnotherStreamLoadsTheGpu) {
-  set_gdr_core_prep(GdrCorePrep::kKernel);
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
-  const FusedInputs x =
-      make_fused_inputs(2, 2085, 4, 2, 256, 256, at::kBFloat16, at::kFloat, true, 79);
-  const at::Tensor w_o = at::randn({2, 2085, 8, 256}, kCuda);
-  const at::Tensor w_s = at::randn({2, 8, 256, 256}, kCuda);
-  const Results first_core = run_fused_core(x, w_o, w_s);
-  EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel);
-  const std::vector<at::Tensor> up = make_fused_upstream(x);
-  const Results first_op = run_fused_op(x, 0.0625, up);
-  const ReplayMismatches mismatches =
-      replay_under_contention([&] { return run_fused_core(x, w_o, w_s); }, first_core,
-                              [&] { return run_fused_op(x, 0.0625, up); }, first_op);
-  EXPECT_EQ(mismatches.second, 0) << "the dk = 256 chunk prep op must replay bitwise";
-  EXPECT_EQ(mismatches.first, 0) << "the dk = 256 core forward and gradients must replay bitwise";
-}
-
-INSTANTIATE_TEST_SUITE_P(HeadGroups, GdrCoreFusedNormReplays, testing::Values(1, 2),
-                         [](const testing::TestParamInfo<int64_t>& info) {
-                           return "Group" + std::to_string(info.param);
+INSTANTIATE_TEST_SUITE_P(Shapes, GdrCoreFusedNormReplays,
+                         testing::Values(FusedReplayCase{"Group1", 1, 2048, 16, 1, 128, false, 77},
+                                         FusedReplayCase{"Group2", 1, 2048, 8, 2, 128, false, 77},
+                                         FusedReplayCase{"Dk256Group2", 2, 2085, 4, 2, 256, true,
+                                                         79}),
+                         [](const testing::TestParamInfo<FusedReplayCase>& info) {
+                           return std::string(info.param.name);
                          });
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GdrCorePrepReplays, testing::Values(at::kBFloat16, at::kFloat),

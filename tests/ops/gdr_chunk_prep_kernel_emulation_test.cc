@@ -111,24 +111,29 @@ bool emulated_tc(const ChunkPrepShape& s) {
 
 // The launchers' dispatch (kernels/gdr_chunk_prep.cu) over the (q / k, v) type pairs and
 // the two variants.
-template <bool TC>
+template <bool TC, int Threads>
 void emulate_forward_tc(const ChunkPrepForwardArgs& args) {
   const ChunkPrepShape& s = args.shape;
   ASSERT_TRUE(chunk_prep_supports_inputs(s.qk_input, s.v_input));
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
   using namespace chunk_prep_detail;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<float, float, TC>);
+    run_grid(args, floats, Threads, chunk_prep_forward_block<float, float, TC, Threads>);
   } else if (s.v_input == ChunkPrepInput::kFloat) {
-    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<Bf16, float, TC>);
+    run_grid(args, floats, Threads, chunk_prep_forward_block<Bf16, float, TC, Threads>);
   } else {
-    run_grid(args, floats, kChunkPrepForwardThreads, chunk_prep_forward_block<Bf16, Bf16, TC>);
+    run_grid(args, floats, Threads, chunk_prep_forward_block<Bf16, Bf16, TC, Threads>);
   }
 }
 
+// The launcher's choice of block size and variant (kernels/gdr_chunk_prep.cu).
 void emulate_forward(const ChunkPrepForwardArgs& args) {
-  if (emulated_tc(args.shape)) return emulate_forward_tc<true>(args);
-  emulate_forward_tc<false>(args);
+  if (chunk_prep_forward_threads(args.shape.dk, args.shape.dv) == kChunkPrepWideForwardThreads) {
+    ASSERT_FALSE(emulated_tc(args.shape));
+    return emulate_forward_tc<false, kChunkPrepWideForwardThreads>(args);
+  }
+  if (emulated_tc(args.shape)) return emulate_forward_tc<true, kChunkPrepForwardThreads>(args);
+  emulate_forward_tc<false, kChunkPrepForwardThreads>(args);
 }
 
 // Scratch slots of the emulated wide-head backward (the CUDA op layer uses one per SM):
@@ -618,6 +623,10 @@ TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
   EXPECT_TRUE(chunk_prep_supports(256, 624));
   EXPECT_FALSE(chunk_prep_supports(256, 640));
   EXPECT_FALSE(chunk_prep_supports(256, 120));  // dv a multiple of 16
+  // The forward runs 512 threads where two blocks would not fit an SM: dk = 256 only.
+  EXPECT_EQ(chunk_prep_forward_threads(64, 400), kChunkPrepForwardThreads);
+  EXPECT_EQ(chunk_prep_forward_threads(128, 208), kChunkPrepForwardThreads);
+  EXPECT_EQ(chunk_prep_forward_threads(256, 16), kChunkPrepWideForwardThreads);
 }
 
 }  // namespace
