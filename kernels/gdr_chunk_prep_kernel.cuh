@@ -878,9 +878,10 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   __syncthreads();
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
-  // One thread per column: cols = dv + dk <= 464 < 512 for every supported shape
-  // (chunk_prep_supports: dv <= 400 at dk = 64, dv <= 208 at dk = 128), so the threads
-  // past cols idle here; a column's rows form one sequential chain.
+  // One thread per column: cols = dv + dk <= 464 < 512 for every supported shape with
+  // dk <= 128 (chunk_prep_supports: dv <= 400 at dk = 64, dv <= 208 at dk = 128), so the
+  // threads past cols idle here; at dk = 256, cols = dv + 256 <= 880 and the threads take
+  // a second column past 512. A column's rows form one sequential chain.
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
 #pragma unroll
