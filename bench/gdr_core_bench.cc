@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   const char* input_names[] = {"BF16 q/k/v", "FP32 q/k/v",
-                               "raw BF16 q/k (fused L2 norm, Hk key heads), FP32 v"};
+                               "raw BF16 q/k (fused L2 norm, Hk key heads), BF16 v"};
   std::printf(
       "GPU: %s, %d SMs; B=1, %s, Hk = %lld; warm-up %d, median of %d; eager times in ms "
       "(CUDA events around the host call)\n\n",
