@@ -4,6 +4,7 @@
 // kernels/gdr_chunk_prep.h.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -47,7 +48,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 // ----------------------------------------------------------------------------
 // kernel launcher
 
-// One block per (batch, head, chunk): B=1, T=2048, H=16 gives 512 blocks. The matrices of
+// One block per (batch, head, chunk): B=1, T=2048, H=16 gives 512 blocks (the wide-head
+// backward: args.scratch_slots blocks, see below). The matrices of
 // a chunk (K, Q, the C x C products, the [U | W] panel) live in dynamic shared memory
 // (forward ~83 KiB, backward ~207 KiB at dk = dv = 128), above the 48 KiB default, so
 // each launch raises the kernel's limit first, and asks for the largest shared-memory
@@ -59,8 +61,9 @@ int launch(Kernel kernel, const Args& args, int64_t smem_floats, CUstream_st* st
            int64_t grid_blocks = 0) {
   const int64_t chunks = args.shape.batch * args.shape.heads * args.shape.chunks;
   if (chunks <= 0) return static_cast<int>(cudaSuccess);
-  const int64_t blocks = grid_blocks > 0 ? grid_blocks : chunks;
-  if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  // Chunk indices are 32-bit in the kernels (a block's index, or the wide-head walk's).
+  if (chunks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  const int64_t blocks = grid_blocks > 0 ? std::min(grid_blocks, chunks) : chunks;
   const int bytes = static_cast<int>(smem_floats * sizeof(float));
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);

@@ -1,7 +1,8 @@
 // The per-chunk preparation of the chunked gated delta rule (steps 1-6 of the spec in the
 // shared design note qwen3_5.md) as one CUDA kernel each way: forward, one thread block
 // per (batch, value head, chunk), produces exactly the operands of the chunk state scan
-// (kernels/gdr_chunk_state.h); backward, one block per (batch, value head, chunk) again,
+// (kernels/gdr_chunk_state.h); backward, one block per (batch, value head, chunk) again
+// (at dk = 256 one block per SM walking the chunks: Note [Chunk prep wide-head backward]),
 // turns their gradients into gradients of q, k, v, g, beta. Plain C++ (no CUDA or torch
 // headers).
 //
