@@ -84,7 +84,9 @@ inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
 // dk = dv = 256, past the 227 KiB an SM has. So for dk above kChunkPrepSharedPanelMaxDk the
 // panel lives in global memory instead (a per-block scratch slot, L2-resident: one slot is
 // C (dv + dk + 4) + C dk floats, 260 KiB at dk = dv = 256), with everything else where it
-// was (206 KiB of shared memory at dk = 256, whatever dv). The grid is then persistent:
+// was, plus a C x 36 buffer where phase 3 stages each 32-column dR slab next to its X slab
+// (fetched one slab ahead, so the product's inner loop reads shared memory only): 215 KiB
+// of shared memory at dk = 256, whatever dv. The grid is then persistent:
 // scratch_slots blocks (one per SM: the op layer sizes it), block s taking chunks s,
 // s + slots, ... in turn and reusing its slot, so the scratch is bounded by the SM count,
 // not by the sequence length. Phase 6 runs in two column passes of 128 (its register tiles
@@ -96,7 +98,9 @@ constexpr int kChunkPrepSharedPanelMaxDk = 128;
 inline bool chunk_prep_backward_uses_scratch(int64_t dk) { return dk > kChunkPrepSharedPanelMaxDk; }
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
-  const int64_t panel = chunk_prep_backward_uses_scratch(dk) ? 0 : C * (dv + dk + 4);
+  // The panel, or for the wide-head backward phase 3's staged dR slab (C x (slab + 4)).
+  const int64_t panel =
+      chunk_prep_backward_uses_scratch(dk) ? C * (kChunkPrepSlab + 4) : C * (dv + dk + 4);
   return 2 * C * (dk + 4) + panel + 4 * C * (C + 1) + C * (kChunkPrepSlab + 4) + 7 * C;
 }
 // The forward's block size for these shapes: kChunkPrepForwardThreads where two blocks'

@@ -835,6 +835,9 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
   float* ks = rk + kC;
   float* qs = ks + kC * kp;
   float* rs = kPanelInScratch ? scratch : qs + kC * kp;
+  // The wide-head backward's phase 3 stages the dR slab it multiplies here, as X in xs,
+  // so its inner loop reads shared memory only (Note [Chunk prep wide-head backward]).
+  float* rslab = qs + kC * kp;
   constexpr int kThreads = kBackwardThreads;
   using Map = TileMap<kThreads>;  // phases 1 and 3 (Note [Chunk prep tile maps])
   const int tid = threadIdx.x;
@@ -914,6 +917,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     constexpr int kSlabLoads = kC * kSlab / kThreads;
     static_assert(kC * kSlab % kThreads == 0, "slabs split evenly over the threads");
     float next[kSlabLoads];
+    float next_r[kPanelInScratch ? kSlabLoads : 1];  // the dR slab (wide-head only)
     auto fetch_slab = [&](int c0) {
 #pragma unroll
       for (int m = 0; m < kSlabLoads; ++m) {
@@ -922,6 +926,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         next[m] = c >= cols ? 0.0f
                   : c < dv  ? args.u[chunk_dv + j * dv + c]
                             : args.w[chunk_dk + j * DK + c - dv];
+        if constexpr (kPanelInScratch) next_r[m] = c >= cols ? 0.0f : rs[j * rp + c];
       }
     };
     // Tensor-core variant (Note [Chunk prep on tensor cores]): warp w owns the lower
@@ -942,6 +947,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       for (int m = 0; m < kSlabLoads; ++m) {
         const int e = tid + kThreads * m;
         xs[(e / kSlab) * xp + e % kSlab] = next[m];
+        if constexpr (kPanelInScratch) rslab[(e / kSlab) * xp + e % kSlab] = next_r[m];
       }
       __syncthreads();
       if (c0 + kSlab < cols) fetch_slab(c0 + kSlab);
@@ -967,7 +973,9 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
           Vec4 dr[Map::kRows], x[Map::kCols];
 #pragma unroll
           for (int a = 0; a < Map::kRows; ++a) {
-            dr[a] = load_rs4(rs + (ti + Map::kRowThreads * a) * rp + c0 + cc);
+            const int i = ti + Map::kRowThreads * a;
+            dr[a] = kPanelInScratch ? load_vec4(rslab + i * xp + cc)
+                                    : load_vec4(rs + i * rp + c0 + cc);
           }
 #pragma unroll
           for (int b = 0; b < Map::kCols; ++b) {
