@@ -974,8 +974,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 #pragma unroll
           for (int a = 0; a < Map::kRows; ++a) {
             const int i = ti + Map::kRowThreads * a;
-            dr[a] = kPanelInScratch ? load_vec4(rslab + i * xp + cc)
-                                    : load_vec4(rs + i * rp + c0 + cc);
+            dr[a] =
+                kPanelInScratch ? load_vec4(rslab + i * xp + cc) : load_vec4(rs + i * rp + c0 + cc);
           }
 #pragma unroll
           for (int b = 0; b < Map::kCols; ++b) {
