@@ -95,7 +95,11 @@ inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
 // the slot's last C dk floats until the row dots are complete. The arithmetic and its order
 // are those of the shared-memory kernel; where a chunk runs does not change its bits.
 constexpr int kChunkPrepSharedPanelMaxDk = 128;
-inline bool chunk_prep_backward_uses_scratch(int64_t dk) { return dk > kChunkPrepSharedPanelMaxDk; }
+// constexpr, so that the kernel bodies share these two definitions (device code calls
+// them under nvcc's --expt-relaxed-constexpr, as it does TileMap's).
+constexpr bool chunk_prep_backward_uses_scratch(int64_t dk) {
+  return dk > kChunkPrepSharedPanelMaxDk;
+}
 inline int64_t chunk_prep_backward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
   // The panel, or for the wide-head backward phase 3's staged dR slab (C x (slab + 4)).
@@ -115,7 +119,7 @@ inline int chunk_prep_forward_threads(int64_t dk, int64_t dv) {
 }
 
 // Global scratch floats per slot of the wide-head backward; 0 when it needs none.
-inline int64_t chunk_prep_backward_scratch_floats(int64_t dk, int64_t dv) {
+constexpr int64_t chunk_prep_backward_scratch_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
   return chunk_prep_backward_uses_scratch(dk) ? C * (dv + dk + 4) + C * dk : 0;
 }

@@ -804,7 +804,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 template <typename TQK, typename TV, int DK, bool TC>
 __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, float* smem,
                                           unsigned block, float* scratch) {
-  constexpr bool kPanelInScratch = DK > kChunkPrepSharedPanelMaxDk;
+  constexpr bool kPanelInScratch = chunk_prep_backward_uses_scratch(DK);
   static_assert(!(kPanelInScratch && TC), "the wide-head backward is SIMT only");
   const ChunkPrepShape& s = args.shape;
   const int dv = s.dv, cols = dv + DK, rp = cols + 4;
@@ -1371,11 +1371,10 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 // ... in turn in its own scratch slot (chunk_prep_backward_scratch_floats floats).
 template <typename TQK, typename TV, int DK, bool TC>
 __device__ void chunk_prep_backward_grid(const ChunkPrepBackwardArgs& args, float* smem) {
-  if constexpr (DK > kChunkPrepSharedPanelMaxDk) {
+  if constexpr (chunk_prep_backward_uses_scratch(DK)) {
     const ChunkPrepShape& s = args.shape;
     const long long chunks = s.batch * s.heads * s.chunks;
-    const long long slot_floats = kC * (s.dv + DK + 4LL) + kC * DK;  // NOTE: as the header's
-    float* scratch = args.scratch + blockIdx.x * slot_floats;
+    float* scratch = args.scratch + blockIdx.x * chunk_prep_backward_scratch_floats(DK, s.dv);
     for (long long chunk = blockIdx.x; chunk < chunks; chunk += args.scratch_slots) {
       chunk_prep_backward_block<TQK, TV, DK, TC>(args, smem, static_cast<unsigned>(chunk), scratch);
       __syncthreads();  // the next chunk rewrites the shared memory and the slot
