@@ -3,7 +3,9 @@
 // loop (composite), the scan on tensor cores ("kernel (tc ...)", the default) and on the FP32
 // SIMT kernel ("kernel (simt ...)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), the
 // state pass's batched products on the 3xTF32 tensor-core GEMM ("... gemm tc)", the
-// default) and on cuBLAS FP32 ("... cublas)", GDR_CHUNK_GEMM_TC=0, set per arm), and
+// default) and on cuBLAS FP32 ("... cublas)", GDR_CHUNK_GEMM_TC=0, set per arm), the
+// backward's dQd / dP GEMMs beside the scan (the default) and after it ("..., in line)",
+// GDR_CHUNK_GEMM_OVERLAP=0, set per arm), and
 // steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
 // through set_gdr_core_prep; all FP32 SIMT, the default, and with tensor-core Gram and dM
 // tiles, "kernel (tc)", GDR_CHUNK_PREP_TC=1, set per arm in this process) against the ATen ops
@@ -33,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -42,6 +45,7 @@
 #include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
+#include "ops/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
 
 namespace gdr {
@@ -111,28 +115,34 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
   // SIMT kernel, its batched products on the tensor-core GEMM (3xTF32, the default) and,
   // GDR_CHUNK_GEMM_TC=0, on cuBLAS FP32; the prep kernels all FP32 SIMT (the default) and,
-  // GDR_CHUNK_PREP_TC=1, with tensor-core Gram and dM tiles; the first arm is the default
-  // configuration, the last (all ATen) the baseline of the "vs composite" columns.
+  // GDR_CHUNK_PREP_TC=1, with tensor-core Gram and dM tiles; the backward's dQd / dP GEMMs
+  // beside the scan on a side stream (the default) and, GDR_CHUNK_GEMM_OVERLAP=0, in line;
+  // the first arm is the default configuration, the last (all ATen) the baseline of the
+  // "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
     bool scan_tc;
     bool prep_tc = false;
     bool gemm_tc = true;
+    bool gemm_overlap = true;
   };
-  constexpr int kArms = 6;
+  constexpr int kArms = 7;
   const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false, true, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
                            {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
-  const char* scan_env = std::getenv("GDR_CHUNK_SCAN_TC");
-  const std::string saved_scan_env = scan_env ? scan_env : "";
-  const char* prep_env = std::getenv("GDR_CHUNK_PREP_TC");
-  const std::string saved_prep_env = prep_env ? prep_env : "";
-  const char* gemm_env = std::getenv("GDR_CHUNK_GEMM_TC");
-  const std::string saved_gemm_env = gemm_env ? gemm_env : "";
+  // The switches each arm sets, restored after the arms.
+  constexpr const char* kSwitches[] = {"GDR_CHUNK_SCAN_TC", "GDR_CHUNK_PREP_TC",
+                                       "GDR_CHUNK_GEMM_TC", "GDR_CHUNK_GEMM_OVERLAP"};
+  std::vector<std::optional<std::string>> saved_switches;
+  for (const char* name : kSwitches) {
+    const char* value = std::getenv(name);
+    saved_switches.push_back(value ? std::optional<std::string>(value) : std::nullopt);
+  }
   // The tensor-core prep exists for dk <= 128 only (kernels::chunk_prep_uses_tensor_cores):
   // elsewhere its arm would time the SIMT prep again, so it is left out.
   auto skipped = [&](const Arm& arm) {
@@ -146,8 +156,17 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     setenv("GDR_CHUNK_SCAN_TC", arms[i].scan_tc ? "1" : "0", 1);
     setenv("GDR_CHUNK_PREP_TC", arms[i].prep_tc ? "1" : "0", 1);
     setenv("GDR_CHUNK_GEMM_TC", arms[i].gemm_tc ? "1" : "0", 1);
+    setenv("GDR_CHUNK_GEMM_OVERLAP", arms[i].gemm_overlap ? "1" : "0", 1);
     const int64_t gemm_launches = kernels::chunk_gemm_launch_count();
-    forward();
+    const int64_t side_runs = chunk_state_internal::backward_side_stream_runs();
+    forward_backward();
+    if (arms[i].impl == GdrCoreImpl::kKernel &&
+        (chunk_state_internal::backward_side_stream_runs() != side_runs) !=
+            (arms[i].gemm_tc && arms[i].gemm_overlap)) {
+      std::fprintf(stderr, "gdr_core_bench: the backward's dQd / dP GEMMs ran %s, expected %s\n",
+                   arms[i].gemm_overlap ? "in line" : "on the side stream",
+                   arms[i].gemm_overlap ? "on the side stream" : "in line");
+    }
     if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
       std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
                    to_string(gdr_core_last_step7()), to_string(gdr_core_last_prep()),
@@ -176,20 +195,12 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   }
   set_gdr_core_impl(std::nullopt);
   set_gdr_core_prep(std::nullopt);
-  if (scan_env) {
-    setenv("GDR_CHUNK_SCAN_TC", saved_scan_env.c_str(), 1);
-  } else {
-    unsetenv("GDR_CHUNK_SCAN_TC");
-  }
-  if (prep_env) {
-    setenv("GDR_CHUNK_PREP_TC", saved_prep_env.c_str(), 1);
-  } else {
-    unsetenv("GDR_CHUNK_PREP_TC");
-  }
-  if (gemm_env) {
-    setenv("GDR_CHUNK_GEMM_TC", saved_gemm_env.c_str(), 1);
-  } else {
-    unsetenv("GDR_CHUNK_GEMM_TC");
+  for (size_t s = 0; s < saved_switches.size(); ++s) {
+    if (saved_switches[s].has_value()) {
+      setenv(kSwitches[s], saved_switches[s]->c_str(), 1);
+    } else {
+      unsetenv(kSwitches[s]);
+    }
   }
 
   const double f = forward_flops(B, T, H, dk, dv);
@@ -199,9 +210,11 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     if (skipped(arms[i])) continue;
     const std::string step7 =
         std::string(to_string(arms[i].impl)) +
-        (arms[i].impl != GdrCoreImpl::kKernel ? ""
-                                              : std::string(arms[i].scan_tc ? " (tc" : " (simt") +
-                                                    (arms[i].gemm_tc ? ", gemm tc)" : ", cublas)"));
+        (arms[i].impl != GdrCoreImpl::kKernel
+             ? ""
+             : std::string(arms[i].scan_tc ? " (tc" : " (simt") +
+                   (arms[i].gemm_tc ? ", gemm tc" : ", cublas") +
+                   (arms[i].gemm_tc && !arms[i].gemm_overlap ? ", in line)" : ")"));
     const std::string prep =
         std::string(to_string(arms[i].prep)) +
         (arms[i].prep == GdrCorePrep::kKernel && arms[i].prep_tc ? " (tc)" : "");

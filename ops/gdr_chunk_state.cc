@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -129,12 +130,14 @@ struct GemmTerm {
   at::Tensor a, b;
 };
 
-// alpha * the sum over the terms (in order) of op(a) op(b), as a fresh contiguous
-// [batch, M, N] tensor computed by `gemm` (the batched products of the scan-based
-// implementation; see the header). Undefined, with nothing launched, when `gemm` is empty
-// or kernels::chunk_gemm_supports refuses the shapes (batched_product then runs ATen).
+// alpha * the sum over the terms (in order) of op(a) op(b), as a contiguous [batch, M, N]
+// tensor computed by `gemm` (the batched products of the scan-based implementation; see
+// the header): `out` when given (contiguous, that shape), else a fresh one. Undefined,
+// with nothing launched, when `gemm` is empty or kernels::chunk_gemm_supports refuses the
+// shapes (batched_product then runs ATen).
 at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool transpose_b,
-                        std::initializer_list<GemmTerm> terms, float alpha = 1.0f) {
+                        std::initializer_list<GemmTerm> terms, float alpha = 1.0f,
+                        at::Tensor out = {}) {
   if (!gemm || terms.size() == 0 || terms.size() > kernels::kChunkGemmMaxProducts) return {};
   const GemmTerm& first = *terms.begin();
   const int64_t batch = first.a.size(0);
@@ -171,7 +174,11 @@ at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool tr
   args.alpha = alpha;
   args.beta = 0.0f;
   if (!kernels::chunk_gemm_supports(args)) return {};
-  at::Tensor out = at::empty({batch, m, n}, first.a.options());
+  if (out.defined()) {
+    TORCH_INTERNAL_ASSERT(out.sizes() == at::IntArrayRef({batch, m, n}) && out.is_contiguous());
+  } else {
+    out = at::empty({batch, m, n}, first.a.options());
+  }
   args.c = out.data_ptr<float>();
   args.c_stride_batch = out.stride(0);
   args.c_stride_row = out.stride(1);
@@ -179,30 +186,41 @@ at::Tensor gemm_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool tr
   return out;
 }
 
-// The same sum through `gemm` where it runs, else ATen's batched matmuls: at::bmm for the
-// first term (an empty output and baddbmm_ with beta = 0 when alpha != 1), baddbmm_ for
-// each further one.
+// The same sum through `gemm` where it runs, else ATen's batched matmuls: at::bmm (or
+// at::bmm_out into `out`) for the first term (baddbmm_ with beta = 0 when alpha != 1),
+// baddbmm_ for each further one. Into `out` when given, else a fresh tensor.
 at::Tensor batched_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool transpose_b,
-                           std::initializer_list<GemmTerm> terms, float alpha = 1.0f) {
-  at::Tensor out = gemm_product(gemm, transpose_a, transpose_b, terms, alpha);
+                           std::initializer_list<GemmTerm> terms, float alpha = 1.0f,
+                           at::Tensor into = {}) {
+  at::Tensor out = gemm_product(gemm, transpose_a, transpose_b, terms, alpha, into);
   if (out.defined()) return out;
   auto op_a = [&](const at::Tensor& a) { return transpose_a ? a.transpose(1, 2) : a; };
   auto op_b = [&](const at::Tensor& b) { return transpose_b ? b.transpose(1, 2) : b; };
+  bool first = true;
   for (const GemmTerm& term : terms) {
-    if (!out.defined() && alpha == 1.0f) {
-      out = at::bmm(op_a(term.a), op_b(term.b));
-    } else if (!out.defined()) {
-      const at::Tensor a = op_a(term.a), b = op_b(term.b);
-      out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+    const at::Tensor a = op_a(term.a), b = op_b(term.b);
+    if (first && alpha == 1.0f) {
+      out = into.defined() ? at::bmm_out(into, a, b) : at::bmm(a, b);
+    } else if (first) {
+      out = into.defined() ? into : at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
       out.baddbmm_(a, b, /*beta=*/0.0, /*alpha=*/alpha);
     } else {
-      out.baddbmm_(op_a(term.a), op_b(term.b), /*beta=*/1.0, /*alpha=*/alpha);
+      out.baddbmm_(a, b, /*beta=*/1.0, /*alpha=*/alpha);
     }
+    first = false;
   }
   return out;
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int64_t> g_backward_side_stream_runs{0};
+}  // namespace
+
+int64_t backward_side_stream_runs() {
+  return g_backward_side_stream_runs.load(std::memory_order_relaxed);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
@@ -253,7 +271,7 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
                   const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
                   const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
                   const at::Tensor& g_last, const at::Tensor& states, const at::Tensor& v_new,
-                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm) {
+                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm, SideStream* side) {
   check_backward_inputs(grad_o, grad_final_state, w, qd, p, kend, g_last, states, v_new);
   const int64_t B = w.size(0), H = w.size(1), N = w.size(2), C = w.size(3), dk = w.size(4);
   const int64_t dv = v_new.size(4);
@@ -270,6 +288,17 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
       batched_product(gemm, true, false, {{batched(qd), dO3}});  // [BHN, dk, dv]
   const at::Tensor log_decay = g_last.contiguous();              // the kernel takes exp itself
   const at::Tensor states_c = states.contiguous();
+  const at::Tensor S3 = batched(states_c), V3 = batched(v_new);
+  // dQd = dO S^T and dP = dO V^T need neither the scan nor the products above: with
+  // `side` they run beside the scan (Note [State pass side stream] in the header), into
+  // outputs allocated here, on the caller's stream; every tensor they read is a local of
+  // this function or an argument, alive until the join below.
+  at::Tensor dqd3 = at::empty({B * H * N, C, dk}, options);
+  at::Tensor dp3 = at::empty({B * H * N, C, C}, options);
+  auto carry_free_products = [&] {
+    batched_product(gemm, false, true, {{dO3, S3}}, 1.0f, dqd3);
+    batched_product(gemm, false, true, {{dO3, V3}}, 1.0f, dp3);
+  };
   const at::Tensor grad_final =
       present(grad_final_state) ? grad_final_state->contiguous() : at::Tensor();
   at::Tensor carries = at::empty({B, H, N, dk, dv}, options);  // g_{n+1}, entering chunk n
@@ -301,15 +330,38 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   args.carry_final = d_initial.data_ptr<float>();
   args.dot_with = states_c.data_ptr<float>();
   args.dot_out = dot_partials.data_ptr<float>();
+  // Joins the side stream on every exit after the fork, so that no exception can free the
+  // side work's operands while it may still read them.
+  struct JoinOnExit {
+    SideStream* side = nullptr;
+    ~JoinOnExit() {
+      if (side == nullptr) return;
+      try {
+        side->join();
+      } catch (...) {  // already unwinding (or about to rethrow the same CUDA error)
+      }
+    }
+    void join() {
+      SideStream* s = side;
+      side = nullptr;
+      s->join();
+    }
+  } joiner;
+  if (side != nullptr) {
+    side->fork();
+    joiner.side = side;
+  }
   scan(args);
+  if (side != nullptr) {
+    side->run(carry_free_products);
+    g_backward_side_stream_runs.fetch_add(1, std::memory_order_relaxed);
+  }
 
-  const at::Tensor S3 = batched(states_c), G3 = batched(carries), V3 = batched(v_new);
+  const at::Tensor G3 = batched(carries);
   const at::Tensor dV3 = batched(du);
   // dW = -dV S^T in one GEMM (alpha = -1).
   at::Tensor dw =
       batched_product(gemm, false, true, {{dV3, S3}}, /*alpha=*/-1.0f).view({B, H, N, C, dk});
-  at::Tensor dqd = batched_product(gemm, false, true, {{dO3, S3}}).view({B, H, N, C, dk});
-  at::Tensor dp = batched_product(gemm, false, true, {{dO3, V3}}).view({B, H, N, C, C});
   at::Tensor dkend = batched_product(gemm, false, true, {{V3, G3}}).view({B, H, N, C, dk});
   // The scan's partial dots summed per (b, h, n): a matrix-vector product with ones (one
   // cuBLAS GEMV, deterministic) instead of at::sum over the last dim, whose reduce kernel
@@ -318,7 +370,13 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
   at::Tensor dg_last =
       at::mv(dot_partials.view({-1, parts}), at::ones({parts}, dot_partials.options()))
           .view({B, H, N});
-  return {du, dw, dqd, dp, dkend, dg_last, d_initial};
+  if (side != nullptr) {
+    joiner.join();
+  } else {
+    carry_free_products();
+  }
+  return {du,      dw,       dqd3.view({B, H, N, C, dk}), dp3.view({B, H, N, C, C}), dkend,
+          dg_last, d_initial};
 }
 
 }  // namespace chunk_state_internal

@@ -38,6 +38,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <tuple>
@@ -100,6 +101,36 @@ using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;
 // CPU tests, GDR_CHUNK_GEMM_TC=0), run as at::bmm / baddbmm_ (cuBLAS FP32 on CUDA). The
 // results' dtypes, shapes and layouts are the same either way.
 using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
+// Note [State pass side stream]: in the backward, dQd = dO S^T and dP = dO V^T read only
+// dO and the forward's S and V, not the reverse scan's carries. The scan walks the chunks
+// with one block per (b, h, 16 value columns), one block per SM, bound by its per-chunk
+// dependency chain rather than by the SMs' issue slots or memory (docs/benchmarks.md, GDR
+// core), so the two GEMMs can run beside it on the SMs' remaining warps and shared memory.
+// A SideStream gives backward_via_scan that concurrency:
+//   fork()     marks the current point of the caller's (current) stream;
+//   run(work)  calls `work` with its launches ordered after that mark but concurrent with
+//              whatever the caller launches after fork() (the CUDA op: a side stream that
+//              waited for an event recorded at the mark);
+//   join()     orders the caller's later launches after `work` (an event on the side
+//              stream that the current stream waits for).
+// The outputs `work` writes are allocated on the caller's stream before run(), and every
+// input it reads stays referenced until join(), so the caching allocator never hands
+// their memory to the caller's later launches while `work` may still touch it. The bits
+// cannot change: each GEMM writes its own output with its own fixed order (Note [Chunk
+// GEMM determinism]); only when they run changes. Without a SideStream
+// (GDR_CHUNK_GEMM_OVERLAP=0 or the cuBLAS products on CUDA) the two GEMMs run in line,
+// after the scan. The CPU tests pass one that defers `work` to join(), so that a read of
+// dQd or dP before the join would see uninitialised memory.
+class SideStream {
+ public:
+  virtual ~SideStream() = default;
+  virtual void fork() = 0;
+  virtual void run(const std::function<void()>& work) = 0;
+  virtual void join() = 0;
+};
+// backward_via_scan calls that ran their side work through a SideStream in this process
+// (for tests and benchmarks: which path the op took; relaxed, process-wide).
+int64_t backward_side_stream_runs();
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_via_scan(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
     const at::Tensor& kend, const at::Tensor& g_last,
@@ -110,7 +141,8 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
                   const std::optional<at::Tensor>& grad_final_state, const at::Tensor& w,
                   const at::Tensor& qd, const at::Tensor& p, const at::Tensor& kend,
                   const at::Tensor& g_last, const at::Tensor& states, const at::Tensor& v_new,
-                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm = {});
+                  const ScanLauncher& scan, const ChunkGemmLauncher& gemm = {},
+                  SideStream* side = nullptr);
 
 }  // namespace chunk_state_internal
 }  // namespace gdr

@@ -13,6 +13,7 @@
 // and the dGlast sum are ATen's deterministic ops. Registered for the CUDA dispatch key;
 // linked into CUDA binaries only.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -28,6 +31,7 @@
 #include "kernels/gdr_chunk_gemm.h"
 #include "kernels/gdr_chunk_prep.h"
 #include "kernels/gdr_chunk_state.h"
+#include "ops/env_choice.h"
 #include "ops/gdr_chunk_prep.h"
 #include "ops/gdr_chunk_state.h"
 #include "ops/gdr_core.h"
@@ -89,6 +93,62 @@ chunk_state_internal::ChunkGemmLauncher gemm_launcher(const char* what) {
   };
 }
 
+// GDR_CHUNK_GEMM_OVERLAP: 1 or unset (the default) runs the backward's dQd and dP GEMMs
+// on a side stream beside the reverse scan (Note [State pass side stream] in
+// ops/gdr_chunk_state.h), 0 runs them after it on the current stream. Only with the
+// tensor-core GEMM (GDR_CHUNK_GEMM_TC): the cuBLAS fallback always runs in line.
+bool gemm_overlap_allowed() { return !env_picks_second("GDR_CHUNK_GEMM_OVERLAP", "1", "0"); }
+
+// The side stream of this host thread on `device`: created on first use (non-blocking, so
+// it never waits for the legacy default stream) and kept for the thread's life, then
+// left to the driver (destroying it at thread exit could race the CUDA context's
+// teardown). Not a pool stream: c10's pool hands the same 32 streams round-robin to every
+// caller, so a pool stream could be the stream the caller is launching on, or capturing
+// on, or one another thread is capturing on.
+c10::cuda::CUDAStream side_stream_of_thread(c10::DeviceIndex device) {
+  constexpr int kMaxDevices = 64;
+  thread_local std::array<cudaStream_t, kMaxDevices> streams{};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "chunk_state_pass: side stream for device ",
+              static_cast<int>(device), " requested; expected a device index in [0, ", kMaxDevices,
+              ")");
+  cudaStream_t& stream = streams[device];
+  if (stream == nullptr) {
+    const c10::cuda::CUDAGuard guard(device);
+    check_launch(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "side stream");
+  }
+  return c10::cuda::getStreamFromExternal(stream, device);
+}
+
+// Note [State pass side stream] on CUDA: fork records an event on the current stream that
+// the side stream waits for, run launches with the side stream current, join records an
+// event on the side stream that the current stream waits for. Event records and waits
+// are legal during stream capture, where they make the side stream part of the capture
+// (fork) and bring it back before the capture ends (join): a captured backward is a
+// graph with the two GEMMs on a parallel branch.
+class CudaSideStream final : public chunk_state_internal::SideStream {
+ public:
+  explicit CudaSideStream(c10::DeviceIndex device)
+      : main_(c10::cuda::getCurrentCUDAStream(device)), side_(side_stream_of_thread(device)) {}
+  void fork() override {
+    forked_.record(main_);
+    forked_.block(side_);
+  }
+  void run(const std::function<void()>& work) override {
+    const c10::cuda::CUDAStreamGuard guard(side_);
+    work();
+  }
+  void join() override {
+    done_.record(side_);
+    done_.block(main_);
+  }
+
+ private:
+  c10::cuda::CUDAStream main_;
+  c10::cuda::CUDAStream side_;
+  at::cuda::CUDAEvent forked_;
+  at::cuda::CUDAEvent done_;
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunk_state_forward_cuda(
     const at::Tensor& u, const at::Tensor& w, const at::Tensor& qd, const at::Tensor& p,
     const at::Tensor& kend, const at::Tensor& g_last,
@@ -109,12 +169,15 @@ chunk_state_backward_cuda(const std::optional<at::Tensor>& grad_o,
                           const at::Tensor& g_last, const at::Tensor& states,
                           const at::Tensor& v_new) {
   const c10::cuda::CUDAGuard device_guard(w.device());
+  const chunk_state_internal::ChunkGemmLauncher gemm = gemm_launcher("backward GEMM");
+  std::optional<CudaSideStream> side;
+  if (gemm && gemm_overlap_allowed()) side.emplace(w.device().index());
   return chunk_state_internal::backward_via_scan(
       grad_o, grad_final_state, w, qd, p, kend, g_last, states, v_new,
       [](const kernels::ChunkStateScanArgs& args) {
         launch_on_current_stream(args, "backward scan");
       },
-      gemm_launcher("backward GEMM"));
+      gemm, side.has_value() ? &*side : nullptr);
 }
 
 // The chunk prep (steps 1-6): one kernel each way on the current stream; everything else

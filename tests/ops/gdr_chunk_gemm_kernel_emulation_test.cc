@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <random>
 #include <string>
@@ -343,6 +344,45 @@ double relative_error(const at::Tensor& x, const at::Tensor& ref) {
          (r.abs().max().item<double>() + 1e-30);
 }
 
+// A SideStream (Note [State pass side stream] in ops/gdr_chunk_state.h) that acts like a
+// stream that has not run yet: the GEMMs `work` launches are recorded and their outputs
+// filled with NaN at run(), and computed only at join(). A backward that read dQd or dP
+// before the join, or returned without one, would hand back NaN.
+class DeferringSideStream final : public chunk_state_internal::SideStream {
+ public:
+  void fork() override { events += "fork "; }
+  void run(const std::function<void()>& work) override {
+    events += "run ";
+    deferring = true;
+    work();
+    deferring = false;
+  }
+  void join() override {
+    events += "join";
+    for (const ChunkGemmArgs& args : deferred) run_emulated_gemm(args);
+    deferred.clear();
+  }
+  // Called by the test's GEMM launcher: true when the GEMM was deferred.
+  bool defer(const ChunkGemmArgs& args) {
+    if (!deferring) return false;
+    for (int64_t z = 0; z < args.batch; ++z) {
+      for (int r = 0; r < args.m; ++r) {
+        for (int c = 0; c < args.n; ++c) {
+          args.c[z * args.c_stride_batch + r * args.c_stride_row + c] =
+              std::numeric_limits<float>::quiet_NaN();
+        }
+      }
+    }
+    deferred.push_back(args);
+    return true;
+  }
+  std::string events;
+
+ private:
+  bool deferring = false;
+  std::vector<ChunkGemmArgs> deferred;
+};
+
 TEST(ChunkStateScanImplementation, WithTheEmulatedGemmMatchesTheReferenceOpAndTheBmmPath) {
   const char* names[] = {"o",   "final_state", "states", "v_new",   "du",       "dw",
                          "dqd", "dp",          "dkend",  "dg_last", "d_initial"};
@@ -372,24 +412,42 @@ TEST(ChunkStateScanImplementation, WithTheEmulatedGemmMatchesTheReferenceOpAndTh
     auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
     const test_support::Fp32CoreLayouts x32 = test_support::fp32_core_layouts(u, w, grad_o);
     const chunk_state_internal::ScanLauncher scan = run_emulated_scan;
-    int gemm_calls = 0;
-    const chunk_state_internal::ChunkGemmLauncher gemm = [&gemm_calls](const ChunkGemmArgs& a) {
+    int gemm_calls = 0, deferred_calls = 0;
+    DeferringSideStream side;
+    const chunk_state_internal::ChunkGemmLauncher gemm = [&](const ChunkGemmArgs& a) {
       ++gemm_calls;
-      run_emulated_gemm(a);
+      if (side.defer(a)) {
+        ++deferred_calls;
+      } else {
+        run_emulated_gemm(a);
+      }
     };
-    std::vector<at::Tensor> got[2];  // [0]: at::bmm, [1]: the emulated GEMM
-    for (const bool use_gemm : {false, true}) {
+    // [0]: at::bmm, [1]: the emulated GEMM, [2]: the emulated GEMM with dQd and dP through
+    // the deferring side stream.
+    std::vector<at::Tensor> got[3];
+    const int64_t side_runs_before = chunk_state_internal::backward_side_stream_runs();
+    for (const int arm : {0, 1, 2}) {
       const chunk_state_internal::ChunkGemmLauncher& launcher =
-          use_gemm ? gemm : chunk_state_internal::ChunkGemmLauncher();
+          arm > 0 ? gemm : chunk_state_internal::ChunkGemmLauncher();
       const auto got_f = chunk_state_internal::forward_via_scan(
           x32.u, x32.w, f32(qd), f32(p), f32(kend), f32(g_last), f32(s0), scan, launcher);
-      got[use_gemm] = test_support::state_pass_outputs(
-          got_f, chunk_state_internal::backward_via_scan(
-                     x32.grad_o, f32(grad_s), x32.w, f32(qd), f32(p), f32(kend), f32(g_last),
-                     std::get<2>(got_f), std::get<3>(got_f), scan, launcher));
+      got[arm] = test_support::state_pass_outputs(
+          got_f,
+          chunk_state_internal::backward_via_scan(
+              x32.grad_o, f32(grad_s), x32.w, f32(qd), f32(p), f32(kend), f32(g_last),
+              std::get<2>(got_f), std::get<3>(got_f), scan, launcher, arm == 2 ? &side : nullptr));
     }
-    // One forward GEMM (O) and six backward ones (P^T dO, Qd^T dO, dW, dQd, dP, dKend).
-    EXPECT_EQ(gemm_calls, 7);
+    // One forward GEMM (O) and six backward ones (P^T dO, Qd^T dO, dW, dQd, dP, dKend) per
+    // GEMM arm; dQd and dP of the third went through the side stream, forked once, run
+    // once and joined once.
+    EXPECT_EQ(gemm_calls, 14);
+    EXPECT_EQ(deferred_calls, 2);
+    EXPECT_EQ(side.events, "fork run join");
+    EXPECT_EQ(chunk_state_internal::backward_side_stream_runs() - side_runs_before, 1);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_TRUE(at::equal(got[2][i], got[1][i]))
+          << names[i] << ": the side stream must not change the bits";
+    }
     for (size_t i = 0; i < ref.size(); ++i) {
       for (const bool use_gemm : {false, true}) {
         const at::Tensor& x = got[use_gemm][i];

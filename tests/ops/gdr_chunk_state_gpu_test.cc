@@ -4,8 +4,11 @@
 // gradients of q, k, v, g, beta, initial_state), T not a multiple of 64, two head dims;
 // the fall-backs to the composite; side streams; 100 bit-exact replays under load. Both
 // scan kernels, tensor cores (3xTF32, the default) and FP32 SIMT (GDR_CHUNK_SCAN_TC=0),
-// against the same references, and each replayed bit-exactly under load.
+// against the same references, and each replayed bit-exactly under load. The backward's
+// dQd / dP GEMMs beside the scan on a side stream (GDR_CHUNK_GEMM_OVERLAP) against the
+// same GEMMs in line, eagerly, under load, and captured in a CUDA graph.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
@@ -13,8 +16,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -35,6 +40,7 @@ using test_support::bitwise_equal;
 using test_support::error_of;
 
 using ScopedScanKernel = test_support::ScopedKernelSwitch<test_support::kScanSwitch>;
+using ScopedGemmOverlap = test_support::ScopedKernelSwitch<test_support::kGemmOverlapSwitch>;
 
 const char* scan_kernel_name(bool tensor_cores) {
   return tensor_cores ? "tensor-core scan" : "SIMT scan";
@@ -238,6 +244,100 @@ TEST(ChunkStatePassGpu, SideStreamGivesTheDefaultStreamBits) {
   for (size_t i = 0; i < on_side.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(on_side[i], on_default[i])) << kResultNames[i];
   }
+}
+
+// Note [State pass side stream]: the two GEMMs beside the scan give the bits of the same
+// GEMMs run after it, at the training shape (B = 1, H = 16, 32 chunks, where the scan and
+// the GEMMs share the SMs) and with several batches; 20 replays each way under load.
+TEST(ChunkStatePassGpu, GemmOverlapGivesTheInLineBitsUnderLoad) {
+  for (const OpCase& c :
+       {OpCase{1, 16, 32, 128, 128, true, true}, OpCase{2, 3, 7, 64, 192, false, true}}) {
+    const std::string context = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + " N" +
+                                std::to_string(c.N) + " dk" + std::to_string(c.dk);
+    const OpInputs x = to_cuda_fp32(make_op_inputs(c, 11 + c.N));
+    Results in_line;
+    {
+      const ScopedGemmOverlap off(false);
+      const int64_t before = chunk_state_internal::backward_side_stream_runs();
+      in_line = run_op(x);
+      EXPECT_EQ(chunk_state_internal::backward_side_stream_runs(), before)
+          << context << ": GDR_CHUNK_GEMM_OVERLAP=0 must run the GEMMs in line";
+    }
+    std::optional<test_support::GpuContention> load(std::in_place);
+    int mismatches = 0;
+    for (int replay = 0; replay < 20; ++replay) {
+      const int64_t before = chunk_state_internal::backward_side_stream_runs();
+      const Results overlapped = run_op(x);
+      EXPECT_EQ(chunk_state_internal::backward_side_stream_runs(), before + 1)
+          << context << ": the default must take the side stream";
+      for (size_t i = 0; i < overlapped.size(); ++i) {
+        if (!bitwise_equal(overlapped[i], in_line[i])) {
+          ++mismatches;
+          ADD_FAILURE() << context << " replay " << replay << ": " << kResultNames[i]
+                        << " differs from the in-line GEMMs";
+        }
+      }
+    }
+    load.reset();
+    EXPECT_EQ(mismatches, 0) << context;
+  }
+}
+
+// The side stream inside stream capture, on a thread whose first use of it is the capture
+// (the stream is created while the capturing stream is live): the graph's replays give
+// the eager bits, and the side branch joined the capture (capture_end would fail on an
+// unjoined stream).
+TEST(ChunkStatePassGpu, GemmOverlapCapturedInACudaGraphOnAFreshThreadReplaysTheEagerBits) {
+  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 16, 32, 128, 128, true, true}, 23));
+  const Results eager = run_op(x);
+  auto [o, s, states, v_new] =
+      chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, opt(x.initial_state));
+  c10::cuda::getCurrentCUDAStream().synchronize();
+  std::string failure;
+  std::thread capture_thread([&] {
+    try {
+      const c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+      const c10::cuda::CUDAStreamGuard guard(capture_stream);
+      const int64_t before = chunk_state_internal::backward_side_stream_runs();
+      at::cuda::CUDAGraph graph;
+      graph.capture_begin();
+      auto [du, dw, dqd, dp, dkend, dg, d0] = chunk_state_pass_backward(
+          opt(x.grad_o), opt(x.grad_final_state), x.w, x.qd, x.p, x.kend, x.g_last, states, v_new);
+      graph.capture_end();
+      if (chunk_state_internal::backward_side_stream_runs() != before + 1) {
+        failure = "the captured backward did not take the side stream";
+        return;
+      }
+      const Results captured = {du, dw, dqd, dp, dkend, dg, d0};
+      for (int replay = 0; replay < 3; ++replay) {
+        for (const at::Tensor& t : captured) t.fill_(std::numeric_limits<float>::quiet_NaN());
+        graph.replay();
+        capture_stream.synchronize();
+        for (size_t i = 0; i < captured.size(); ++i) {
+          if (!bitwise_equal(captured[i], eager[4 + i])) {
+            failure += std::string("replay ") + std::to_string(replay) + ": " +
+                       kResultNames[4 + i] + " differs from the eager backward; ";
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  });
+  capture_thread.join();
+  EXPECT_EQ(failure, "");
+}
+
+TEST(ChunkStatePassGpu, AnUnknownGemmOverlapSettingIsRefusedNamingTheVariable) {
+  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 1, 2, 128, 128, false, true}, 3));
+  auto [o, s, states, v_new] =
+      chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt);
+  const ScopedGemmOverlap unknown("on");
+  EXPECT_EQ(error_of([&] {
+              chunk_state_pass_backward(opt(x.grad_o), opt(x.grad_final_state), x.w, x.qd, x.p,
+                                        x.kend, x.g_last, states, v_new);
+            }),
+            "GDR_CHUNK_GEMM_OVERLAP: expected 1 or 0, but got 'on'");
 }
 
 // ---------------------------------------------------------------------------

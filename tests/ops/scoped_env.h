@@ -45,5 +45,8 @@ class ScopedKernelSwitch : public ScopedEnv {
 inline constexpr char kScanSwitch[] = "GDR_CHUNK_SCAN_TC";
 inline constexpr char kPrepSwitch[] = "GDR_CHUNK_PREP_TC";
 inline constexpr char kGemmSwitch[] = "GDR_CHUNK_GEMM_TC";
+// Not a tensor-core switch: "1" runs the backward's dQd and dP GEMMs beside the scan on a
+// side stream (the default), "0" in line.
+inline constexpr char kGemmOverlapSwitch[] = "GDR_CHUNK_GEMM_OVERLAP";
 
 }  // namespace gdr::test_support
