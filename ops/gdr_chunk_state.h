@@ -102,10 +102,13 @@ using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;
 // results' dtypes, shapes and layouts are the same either way.
 using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 // Note [State pass side stream]: in the backward, dQd = dO S^T and dP = dO V^T read only
-// dO and the forward's S and V, not the reverse scan's carries. The scan walks the chunks
-// with one block per (b, h, 16 value columns), one block per SM, bound by its per-chunk
-// dependency chain rather than by the SMs' issue slots or memory (docs/benchmarks.md, GDR
-// core), so the two GEMMs can run beside it on the SMs' remaining warps and shared memory.
+// dO and the forward's S and V, not the reverse scan's carries, so they need not wait for
+// the scan. The scan walks the chunks with one block per (b, h, 16 value columns), 128
+// blocks at H = 16, dv = 128, each alone on its SM (190 KiB of shared memory at dk = 128
+// with its two operand stages: no 68 KiB GEMM block fits beside it), bound by its
+// per-chunk dependency chain. Beside it the two GEMMs get the SMs the scan leaves idle and
+// then overlap dW, dKend and the dGlast sum; measured on the H200: 0.5-1.2% of the core's
+// forward+backward and 0.7% of the 0.8B step (docs/benchmarks.md, GDR core, session 14).
 // A SideStream gives backward_via_scan that concurrency:
 //   fork()     marks the current point of the caller's (current) stream;
 //   run(work)  calls `work` with its launches ordered after that mark but concurrent with
