@@ -122,8 +122,8 @@ using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 // cannot change: each GEMM writes its own output with its own fixed order (Note [Chunk
 // GEMM determinism]); only when they run changes. Without a SideStream
 // (GDR_CHUNK_GEMM_OVERLAP=0 or the cuBLAS products on CUDA) the two GEMMs run in line,
-// after the scan. The CPU tests pass one that defers `work` to join(), so that a read of
-// dQd or dP before the join would see uninitialised memory.
+// after the scan. The CPU test passes one that fills the side GEMMs' outputs with NaN at
+// run() and computes them at join(), so a read of dQd or dP before the join shows.
 class SideStream {
  public:
   virtual ~SideStream() = default;
