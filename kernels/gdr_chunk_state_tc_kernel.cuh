@@ -279,6 +279,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     stage(args.left, left_quads, chunk_of(0), left_of(0), kPL);
     if (kStages == 2) stage(args.right, right_quads, chunk_of(0), right_of(0), kPR);
   }
+
+  // dot_with at the carries_out maps (element u: tile_at + u tile_pass of chunk bhn's
+  // [dk x dv] matrix) and extra at this warp's X' tiles.
+  auto load_dot_into = [&](int64_t bhn, float(&out)[kTileElems]) {
+    int64_t at = bhn * state_size + tile_at;
+#pragma unroll
+    for (int u = 0; u < kTileElems; ++u) {
+      out[u] = args.dot_with ? args.dot_with[at] : 0.0f;
+      at += tile_pass;
+    }
+  };
+  auto load_extra_into = [&](int64_t bhn, float(&out)[kMt][kNt][4]) {
+#pragma unroll
+    for (int q = 0; q < kMt; ++q) {
+#pragma unroll
+      for (int p = 0; p < kNt; ++p) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          out[q][p][e] =
+              args.extra
+                  ? args.extra[bhn * state_size + x_at0 + x_row_off(q, e) * dv + x_col_off(p, e)]
+                  : 0.0f;
+        }
+      }
+    }
+  };
+  // Note [Chunk state scan prefetch]: a chunk's global reads that feed its arithmetic
+  // directly (base at R's elements, g_last, and with kEarly dot_with and extra) are issued
+  // at the start of the chunk before, so their latency (HBM: they are read once) hides
+  // behind a whole chunk instead of one mma loop; the operands themselves stream through
+  // the cp.async stages. The values and the arithmetic are the same, so are the bits.
+  struct Ahead {
+    float base[4];
+    float log_decay;
+    float dot[kEarly ? kTileElems : 1];
+    float extra[kEarly ? kMt : 1][kNt][4];
+  } ahead;
+  auto fetch_ahead = [&](int64_t step) {
+    const int64_t n = chunk_of(step);
+    const int64_t bhn = bh * args.chunks + n;
+    // base at R element e: rows r_row(0) + e % 2, columns r_col(0) + 8 (e / 2).
+    const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n +
+                        r_row(0) * args.base.stride_row + col0 + r_col(0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ahead.base[e] = base[(e % 2) * args.base.stride_row + 8 * (e / 2)];
+    ahead.log_decay = args.g_last[bhn];
+    if constexpr (kEarly) {
+      load_dot_into(bhn, ahead.dot);
+      load_extra_into(bhn, ahead.extra);
+    }
+  };
+  if (args.chunks > 0) fetch_ahead(0);
   cp_async_wait_all();
   __syncthreads();
 
@@ -302,44 +354,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       stage(args.right, right_quads, n, right_of(0), kPR);
     }
-    // base at R element e: rows r_row(0) + e % 2, columns r_col(0) + 8 (e / 2).
-    const float* base = args.base.data + bh * args.base.stride_bh + n * args.base.stride_n +
-                        r_row(0) * args.base.stride_row + col0 + r_col(0);
+    // This chunk's base, decay and (kEarly) dot_with and extra elements: read one chunk
+    // ahead (Note [Chunk state scan prefetch]); then the next chunk's reads are issued.
     float base_v[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) base_v[e] = base[(e % 2) * args.base.stride_row + 8 * (e / 2)];
-    const float decay = expf(args.g_last[bhn]);
-    // dot_with at the carries_out maps, and extra at this warp's X' tiles (read early when
-    // kEarly, else where they are used).
+    for (int e = 0; e < 4; ++e) base_v[e] = ahead.base[e];
+    const float decay = expf(ahead.log_decay);
     float dot_v[kTileElems];
-    auto load_dot = [&]() {
-      int64_t at = bhn * state_size + tile_at;
-#pragma unroll
-      for (int u = 0; u < kTileElems; ++u) {
-        dot_v[u] = args.dot_with ? args.dot_with[at] : 0.0f;
-        at += tile_pass;
-      }
-    };
     float extra_v[kMt][kNt][4];
-    auto load_extra = [&]() {
+    if constexpr (kEarly) {
+#pragma unroll
+      for (int u = 0; u < kTileElems; ++u) dot_v[u] = ahead.dot[u];
 #pragma unroll
       for (int q = 0; q < kMt; ++q) {
 #pragma unroll
         for (int p = 0; p < kNt; ++p) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            extra_v[q][p][e] =
-                args.extra
-                    ? args.extra[bhn * state_size + x_at0 + x_row_off(q, e) * dv + x_col_off(p, e)]
-                    : 0.0f;
-          }
+          for (int e = 0; e < 4; ++e) extra_v[q][p][e] = ahead.extra[q][p][e];
         }
       }
-    };
-    if (kEarly) {
-      load_dot();
-      load_extra();
     }
+    if (step + 1 < args.chunks) fetch_ahead(step + 1);
+    // Where kEarly is false (dk 256, no registers to spare for them one chunk ahead): dot_with
+    // at the carries_out maps and extra at this warp's X' tiles, read where they are used.
+    auto load_dot = [&]() { load_dot_into(bhn, dot_v); };
+    auto load_extra = [&]() { load_extra_into(bhn, extra_v); };
 
     {
       Acc3 acc;
