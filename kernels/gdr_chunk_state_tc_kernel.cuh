@@ -262,19 +262,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     x_s[x_row(q, e) * kPX + x_col(p, e)] = x;
     put_split(x_big, x_small, x_at(x_row(q, e), x_col(p, e)), x);
   };
+  // f(q, p, e) for every element of this lane's X' accumulators, in order.
+  auto for_each_x_element = [](auto&& f) {
 #pragma unroll
-  for (int q = 0; q < kMt; ++q) {
+    for (int q = 0; q < kMt; ++q) {
 #pragma unroll
-    for (int p = 0; p < kNt; ++p) {
+      for (int p = 0; p < kNt; ++p) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        carry[q][p][e] =
-            args.carry_in ? args.carry_in[bh * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
-                          : 0.0f;
-        put_carry(q, p, e, carry[q][p][e]);
+        for (int e = 0; e < 4; ++e) f(q, p, e);
       }
     }
-  }
+  };
+  for_each_x_element([&](int q, int p, int e) {
+    carry[q][p][e] = args.carry_in
+                         ? args.carry_in[bh * state_size + x_row(q, e) * dv + col0 + x_col(p, e)]
+                         : 0.0f;
+    put_carry(q, p, e, carry[q][p][e]);
+  });
   if (args.chunks > 0) {
     stage(args.left, left_quads, chunk_of(0), left_of(0), kPL);
     if (kStages == 2) stage(args.right, right_quads, chunk_of(0), right_of(0), kPR);
@@ -291,31 +295,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   auto load_extra_into = [&](int64_t bhn, float(&out)[kMt][kNt][4]) {
-#pragma unroll
-    for (int q = 0; q < kMt; ++q) {
-#pragma unroll
-      for (int p = 0; p < kNt; ++p) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          out[q][p][e] =
-              args.extra
-                  ? args.extra[bhn * state_size + x_at0 + x_row_off(q, e) * dv + x_col_off(p, e)]
-                  : 0.0f;
-        }
-      }
-    }
+    for_each_x_element([&](int q, int p, int e) {
+      out[q][p][e] =
+          args.extra ? args.extra[bhn * state_size + x_at0 + x_row_off(q, e) * dv + x_col_off(p, e)]
+                     : 0.0f;
+    });
   };
   // Note [Chunk state scan prefetch]: a chunk's global reads that feed its arithmetic
   // directly (base at R's elements, g_last, and with kEarly dot_with and extra) are issued
   // at the start of the chunk before, so their latency (HBM: they are read once) hides
   // behind a whole chunk instead of one mma loop; the operands themselves stream through
   // the cp.async stages. The values and the arithmetic are the same, so are the bits.
-  struct Ahead {
+  struct ChunkValues {
     float base[4];
     float log_decay;
-    float dot[kEarly ? kTileElems : 1];
-    float extra[kEarly ? kMt : 1][kNt][4];
+    float dot[kTileElems];     // with kEarly; else loaded into `current` where used
+    float extra[kMt][kNt][4];  // the same
   } ahead;
+  if constexpr (!kEarly) {  // never fetched ahead: defined values for the copies below
+#pragma unroll
+    for (int u = 0; u < kTileElems; ++u) ahead.dot[u] = 0.0f;
+    for_each_x_element([&](int q, int p, int e) { ahead.extra[q][p][e] = 0.0f; });
+  }
   auto fetch_ahead = [&](int64_t step) {
     const int64_t n = chunk_of(step);
     const int64_t bhn = bh * args.chunks + n;
@@ -356,24 +357,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // This chunk's base, decay and (kEarly) dot_with and extra elements: read one chunk
     // ahead (Note [Chunk state scan prefetch]); then the next chunk's reads are issued.
-    float base_v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) base_v[e] = ahead.base[e];
-    const float decay = expf(ahead.log_decay);
-    float dot_v[kTileElems];
-    float extra_v[kMt][kNt][4];
-    if constexpr (kEarly) {
-#pragma unroll
-      for (int u = 0; u < kTileElems; ++u) dot_v[u] = ahead.dot[u];
-#pragma unroll
-      for (int q = 0; q < kMt; ++q) {
-#pragma unroll
-        for (int p = 0; p < kNt; ++p) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) extra_v[q][p][e] = ahead.extra[q][p][e];
-        }
-      }
-    }
+    ChunkValues current = ahead;
+    const float(&base_v)[4] = current.base;
+    const float decay = expf(current.log_decay);
+    float(&dot_v)[kTileElems] = current.dot;
+    float(&extra_v)[kMt][kNt][4] = current.extra;
     if (step + 1 < args.chunks) fetch_ahead(step + 1);
     // Where kEarly is false (dk 256, no registers to spare for them one chunk ahead): dot_with
     // at the carries_out maps and extra at this warp's X' tiles, read where they are used.
