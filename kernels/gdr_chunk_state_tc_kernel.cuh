@@ -55,8 +55,9 @@
 // and the R planes, stores the new carry to x_s and the x planes; wait + barrier. With
 // one stage (dk 256): phase A overlaps the chunk's `right` load, phase B the next `left`
 // load, each phase ending in wait + barrier. Two barriers per chunk either way, and no operand load
-// holds registers. The chunk's dot_with and extra elements (dk <= 128) are read from global memory
-// before phase A's mma loop, so their latency hides behind it. Outputs: carries_out, rows_out,
+// holds registers. The chunk's base, g_last and (dk <= 128) dot_with and extra elements are
+// read from global memory one chunk ahead (Note [Chunk state scan prefetch]), so their latency
+// hides behind the chunk before. Outputs: carries_out, rows_out,
 // carry_final and the dGlast partials are written from x_s / r_s with the SIMT kernel's
 // element-to-thread maps (element e = tid + 256 u of the [rows x 16] tile, row e / 16, column e %
 // 16), so dot_out keeps its exact slot layout (kernels/gdr_chunk_state.h): thread tid's partial is
