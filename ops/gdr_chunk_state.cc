@@ -212,10 +212,9 @@ at::Tensor batched_product(const ChunkGemmLauncher& gemm, bool transpose_a, bool
   return out;
 }
 
-}  // namespace
-
-namespace {
+// The count behind backward_side_stream_runs() (ops/gdr_chunk_state.h).
 std::atomic<int64_t> g_backward_side_stream_runs{0};
+
 }  // namespace
 
 int64_t backward_side_stream_runs() {
