@@ -6,7 +6,8 @@
 // NOTE: keep this file free of includes (besides kernels/mma_tf32.cuh, kernels/cp_async.cuh
 // and <type_traits>) and of CUDA APIs beyond __device__, __forceinline__, __syncthreads,
 // threadIdx, blockIdx, __uint_as_float, __float_as_uint, expf, fmaf and rsqrtf, the
-// tensor-core primitives of kernels/mma_tf32.cuh and cp_async_4 / cp_async_wait_all: the
+// tensor-core primitives of kernels/mma_tf32.cuh and cp_async_4 / cp_async_16 /
+// cp_async_wait_all (device-only loads sit under #ifdef __CUDA_ARCH__): the
 // emulation test defines exactly those (with GDR_MMA_TF32_HOST_HELPERS,
 // GDR_CP_ASYNC_HOST_HELPERS, tests/ops/emulated_mma_tf32.h and emulated_cp_async.h).
 //
@@ -248,6 +249,45 @@ __device__ __forceinline__ Vec4 load_vec4_global(const float* p) {
 #else
   return *reinterpret_cast<const Vec4*>(p);
 #endif
+}
+
+// Four consecutive values of a read-only input in global memory (FP32: 16-byte aligned;
+// BF16: 8-byte aligned), as one load: the rows that one thread reads along their length
+// while a warp's threads read 32 different rows (phase 5 of the backward) otherwise cost
+// one L1 wavefront per thread and value.
+__device__ __forceinline__ Vec4 load4_input(const float* p) {
+  Vec4 r;
+#ifdef __CUDA_ARCH__
+  asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(r.v[0]), "=f"(r.v[1]), "=f"(r.v[2]), "=f"(r.v[3])
+      : "l"(__cvta_generic_to_global(p)));
+#else
+  for (int u = 0; u < 4; ++u) r.v[u] = p[u];
+#endif
+  return r;
+}
+__device__ __forceinline__ Vec4 load4_input(const Bf16* p) {
+  Vec4 r;
+#ifdef __CUDA_ARCH__
+  unsigned lo, hi;
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];"
+      : "=r"(lo), "=r"(hi)
+      : "l"(__cvta_generic_to_global(p)));
+  r.v[0] = __uint_as_float(lo << 16);
+  r.v[1] = __uint_as_float(lo & 0xffff0000u);
+  r.v[2] = __uint_as_float(hi << 16);
+  r.v[3] = __uint_as_float(hi & 0xffff0000u);
+#else
+  for (int u = 0; u < 4; ++u) r.v[u] = load_float(p + u);
+#endif
+  return r;
+}
+// Whether load4_input may read groups of four starting at multiples of 4 elements of every
+// row of an input with these strides.
+template <typename T>
+__device__ __forceinline__ bool rows_load4(const T* base, const TokenStrides& st) {
+  return reinterpret_cast<unsigned long long>(base) % (4 * sizeof(T)) == 0 && st.batch % 4 == 0 &&
+         st.token % 4 == 0 && st.head % 4 == 0;
 }
 
 // x, as a value the compiler cannot see through: what derives from it is computed afresh.
@@ -783,11 +823,12 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // (fs[0] also parks the block index through phase 2); ks, qs [C][dk+4] K and scale*Q;
 // rs [C][dv+dk+4] [dU | dW] solved in place into dR = (I + M)^-T [dU | dW].
 // Phases, each ended by a barrier: 0 decays, Q, K (with the fused L2 norm, normalised
-// exactly as in the forward); 1 Gram tiles (32 x 16 threads, 2 x 4 elements each: Note
-// [Chunk prep tile maps]; tensor cores: 40 tiles over 16 warps) -> kl, M^T, pm and
-// [dU | dW] -> rs; 2 back substitution, one thread per column in registers (dv + dk <= 464
-// columns, the other threads idle; row i of dR is dX_i - sum_{j>i} M_ji dR_j, j
-// descending: Note [Register-resident substitution]); 3 dM = -dR X^T below the diagonal
+// exactly as in the forward), then [dU | dW] issued into rs by cp.async (dk <= 128); 1
+// Gram tiles (32 x 16 threads, 2 x 4 elements each: Note [Chunk prep tile maps]; tensor
+// cores: 40 tiles over 16 warps) -> kl, M^T, pm, and the wait for rs; 2 back
+// substitution, one thread per column (dv + dk <= 464 columns, the other threads idle;
+// row i of dR is dX_i - sum_{j>i} M_ji dR_j, j descending: Note [Register-resident
+// substitution]); 3 dM = -dR X^T below the diagonal
 // (the tile map of phase 1; tensor cores: 20 tiles over 16 warps), X streamed through xs
 // 4 floats per thread; 4 elementwise C x C (8 elements per thread): E, dM .* kl, dKK,
 // dQK; 5 eight threads per row, each an eighth of every row sum, then (a barrier, as the
@@ -847,6 +888,30 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
 
   // Phase 0.
   load_qk<TQK, kThreads>(args, place, qs, kp, ks, kp);
+  if constexpr (!kPanelInScratch) {
+    // [dU | dW] straight into rs with cp.async, waited for at the end of phase 1: its
+    // latency passes under the decays, the L2 norm and the Gram tiles instead of being
+    // paid after them. 16-byte copies where both bases are 16-byte aligned (rows are: dv
+    // and dk are multiples of 16), else 4-byte ones; zeros for a missing gradient.
+    const bool aligned16 = ((reinterpret_cast<unsigned long long>(args.grad_u) |
+                             reinterpret_cast<unsigned long long>(args.grad_w)) &
+                            15ull) == 0;
+    const int row_pieces = cols / 4;
+    for (int e = tid; e < kC * row_pieces; e += kThreads) {
+      const int i = e / row_pieces, c = 4 * (e % row_pieces);
+      const float* src = c < dv
+                             ? (args.grad_u ? args.grad_u + chunk_dv + i * dv + c : nullptr)
+                             : (args.grad_w ? args.grad_w + chunk_dk + i * DK + c - dv : nullptr);
+      float* dst = rs + i * rp + c;
+      if (src == nullptr) {
+        for (int u = 0; u < 4; ++u) dst[u] = 0.0f;
+      } else if (aligned16) {
+        cp_async_16(dst, src);
+      } else {
+        for (int u = 0; u < 4; ++u) cp_async_4(dst + u, src + u);
+      }
+    }
+  }
   load_decays(args, place, gs, bs, es);
   if (s.l2_normalize_qk) normalize_qk<kThreads>(s, qs, kp, ks, kp, rq, rk);
   __syncthreads();
@@ -876,8 +941,12 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     }
   }
   if (tid == 0) fs[0] = __uint_as_float(block);  // its bits, for after phase 2
-  copy_rows<kThreads>(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
-  copy_rows<kThreads>(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
+  if constexpr (kPanelInScratch) {
+    copy_rows<kThreads>(args.grad_u ? args.grad_u + chunk_dv : nullptr, dv, rs, rp);
+    copy_rows<kThreads>(args.grad_w ? args.grad_w + chunk_dk : nullptr, DK, rs + dv, rp);
+  } else {
+    cp_async_wait_all();  // the panel issued in phase 0
+  }
   __syncthreads();
 
   // Phase 2: (I + M)^T is unit upper triangular; M_ji = beta_j kl_ji, the forward's value.
@@ -1074,15 +1143,33 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     const long long v_row = input_row(args.v_strides, place, i);
     float su = 0.0f, sk = 0.0f, sq = 0.0f, sf = 0.0f, sb = 0.0f, row_e = 0.0f, col_e = 0.0f;
     const int v_groups = dv / 4, k_width = DK / kParts, j_width = kC / kParts;
-    // Global operands come kLoadBatch at a time (Note [Batched global loads]); every sum
-    // still runs over c in order.
+    // Global operands come kLoadBatch at a time (Note [Batched global loads]), four values
+    // per load where the rows allow (load4_input: a warp's threads read 32 different rows,
+    // so one-value loads cost a wavefront per thread and value); the ranges are whole
+    // groups of four (dk's part is a multiple of 8), so a group is wholly inside or wholly
+    // past its range. Every sum still runs over c in order.
+    auto fetch4 = [](auto* src, bool vec, float* dst) {
+      if (src == nullptr) {
+        for (int u = 0; u < 4; ++u) dst[u] = 0.0f;
+      } else if (vec) {
+        const Vec4 x = load4_input(src);
+        for (int u = 0; u < 4; ++u) dst[u] = x.v[u];
+      } else {
+        for (int u = 0; u < 4; ++u) dst[u] = load_float(src + u);
+      }
+    };
+    const bool v_vec = rows_load4(v, args.v_strides);
+    const bool grad_vec = ((reinterpret_cast<unsigned long long>(args.grad_qd) |
+                            reinterpret_cast<unsigned long long>(args.grad_kend)) &
+                           15ull) == 0;
     const int v_begin = 4 * (p * v_groups / kParts), v_end = 4 * ((p + 1) * v_groups / kParts);
     const int k_end = (p + 1) * k_width;
     for (int c0 = v_begin; c0 < v_end; c0 += kLoadBatch) {
       float vv[kLoadBatch];
 #pragma unroll
-      for (int m = 0; m < kLoadBatch; ++m) {
-        vv[m] = real && c0 + m < v_end ? load_float(v + v_row + c0 + m) : 0.0f;
+      for (int h = 0; h < kLoadBatch; h += 4) {
+        const int c = c0 + h;
+        fetch4(real && c < v_end ? v + v_row + c : nullptr, v_vec, vv + h);
       }
       static_assert(kLoadBatch == 8, "two 16-byte loads per batch");
       const Vec4 r_lo = load_rs4(rs + i * rp + c0), r_hi = load_rs4(rs + i * rp + c0 + 4);
@@ -1095,10 +1182,9 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     for (int c0 = p * k_width; c0 < k_end; c0 += kLoadBatch) {
       float gq[kLoadBatch], gk[kLoadBatch];
 #pragma unroll
-      for (int m = 0; m < kLoadBatch; ++m) {
-        const bool in = c0 + m < k_end;
-        gq[m] = grad_qd && in ? grad_qd[i * DK + c0 + m] : 0.0f;
-        gk[m] = grad_kend && in ? grad_kend[i * DK + c0 + m] : 0.0f;
+      for (int h = 0; h < kLoadBatch; h += 4) {
+        fetch4(grad_qd ? grad_qd + i * DK + c0 + h : nullptr, grad_vec, gq + h);
+        fetch4(grad_kend ? grad_kend + i * DK + c0 + h : nullptr, grad_vec, gk + h);
       }
       const Vec4 k_lo = load_vec4(ks + i * kp + c0), k_hi = load_vec4(ks + i * kp + c0 + 4);
       const Vec4 r_lo = load_rs4(rs + i * rp + dv + c0);

@@ -603,6 +603,56 @@ TEST(ChunkPrepKernelEmulation, SplitInputsGetTheirGradientsAsSlicesOfOneBuffer) 
   }
 }
 
+// The backward's 16-byte paths (the [dU | dW] panel copied into shared memory with
+// cp.async, phase 5's four-value loads of v, dQd and dKend) need 16-byte (BF16 v: 8-byte)
+// aligned rows. Operands one element past such a boundary take the 4-byte copies and the
+// one-value loads instead and must give the same bits (contiguous views pass through the
+// op as they are, so the kernel sees the misaligned pointers).
+TEST(ChunkPrepKernelEmulation, MisalignedOperandsGetTheBitsOfAlignedOnes) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const int64_t B = 1, T = 100, H = 2, dk = 64, dv = 48, C = kChunkPrepChunk;
+    at::manual_seed(5);
+    at::Tensor q = at::randn({B, T, H, dk}), k = at::randn({B, T, H, dk});
+    q = (q / q.norm(2, -1, true)).to(dtype);
+    k = (k / k.norm(2, -1, true)).to(dtype);
+    const at::Tensor v = at::randn({B, T, H, dv}).to(dtype);
+    const at::Tensor g = -2.0 * at::rand({B, T, H});
+    const at::Tensor beta = at::sigmoid(at::randn({B, T, H}));
+    const double scale = 0.125;
+    const auto fwd =
+        chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, false, emulate_forward);
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& out : {std::get<0>(fwd), std::get<1>(fwd), std::get<2>(fwd),
+                                  std::get<3>(fwd), std::get<4>(fwd), std::get<5>(fwd)}) {
+      grads.push_back(at::randn(out.sizes()));
+    }
+    // The same values, contiguous, starting one element past an aligned address.
+    auto shifted = [](const at::Tensor& t) {
+      const at::Tensor view = at::empty({t.numel() + 1}, t.options()).narrow(0, 1, t.numel());
+      return view.view(t.sizes()).copy_(t);
+    };
+    auto backward = [&](const at::Tensor& bv, const at::Tensor& du, const at::Tensor& dw,
+                        const at::Tensor& dqd, const at::Tensor& dkend) {
+      return chunk_prep_internal::backward_via_kernel(
+          du, dw, dqd, grads[3], dkend, grads[5], q, k, bv, g, beta, std::get<0>(fwd),
+          std::get<1>(fwd), scale, C, false, emulate_backward);
+    };
+    const auto want = backward(v, grads[0], grads[1], grads[2], grads[4]);
+    const at::Tensor sv = shifted(v), sdu = shifted(grads[0]), sdw = shifted(grads[1]);
+    const at::Tensor sdqd = shifted(grads[2]), sdkend = shifted(grads[4]);
+    for (const at::Tensor& t : {sv, sdu, sdw, sdqd, sdkend}) {
+      ASSERT_TRUE(t.is_contiguous());
+      ASSERT_NE(reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()), 0u);
+    }
+    const auto got = backward(sv, sdu, sdw, sdqd, sdkend);
+    EXPECT_TRUE(at::equal(std::get<0>(got), std::get<0>(want))) << dtype << " dq";
+    EXPECT_TRUE(at::equal(std::get<1>(got), std::get<1>(want))) << dtype << " dk";
+    EXPECT_TRUE(at::equal(std::get<2>(got), std::get<2>(want))) << dtype << " dv";
+    EXPECT_TRUE(at::equal(std::get<3>(got), std::get<3>(want))) << dtype << " dg";
+    EXPECT_TRUE(at::equal(std::get<4>(got), std::get<4>(want))) << dtype << " dbeta";
+  }
+}
+
 TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
   const at::Tensor q = at::randn({1, 10, 1, 32}), v = at::randn({1, 10, 1, 64});
   const at::Tensor g = at::zeros({1, 10, 1});
