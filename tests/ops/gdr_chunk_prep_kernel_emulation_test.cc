@@ -653,6 +653,33 @@ TEST(ChunkPrepKernelEmulation, MisalignedOperandsGetTheBitsOfAlignedOnes) {
   }
 }
 
+// Note [Blocked back substitution]: the blocked solve on a column in place sums every row's
+// terms in the register solve's order, so the two give the same bits (here on random unit
+// upper triangular systems with terms of both signs, the column at a pitch of 7 floats).
+TEST(ChunkPrepKernelEmulation, BlockedBackSubstitutionHasTheRegisterSolvesBits) {
+  using namespace chunk_prep_detail;
+  constexpr int C = kChunkPrepChunk, kPitch = 7;
+  at::manual_seed(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    // mt[i * C + j] = M_ji (the layout phase 2 reads), only j > i used.
+    const at::Tensor mt = at::randn({C, C}) * 0.1;
+    const at::Tensor rhs = at::randn({C}) * (trial + 1);
+    std::vector<float> m_buffer(C * C);
+    std::memcpy(m_buffer.data(), mt.data_ptr<float>(), sizeof(float) * C * C);
+    ASSERT_EQ(reinterpret_cast<uintptr_t>(m_buffer.data()) % 16, 0u);
+    float x[C];
+    std::vector<float> column(C * kPitch, NAN);
+    for (int i = 0; i < C; ++i) x[i] = column[i * kPitch] = rhs[i].item<float>();
+    back_substitute(m_buffer.data(), x);
+    back_substitute_blocked(m_buffer.data(), column.data(), kPitch);
+    for (int i = 0; i < C; ++i) {
+      ASSERT_TRUE(std::isfinite(x[i])) << "trial " << trial << " row " << i;
+      EXPECT_EQ(__float_as_uint(column[i * kPitch]), __float_as_uint(x[i]))
+          << "trial " << trial << " row " << i << ": " << column[i * kPitch] << " vs " << x[i];
+    }
+  }
+}
+
 TEST(ChunkPrepKernelEmulation, UnsupportedShapesAreRefusedNamingThem) {
   const at::Tensor q = at::randn({1, 10, 1, 32}), v = at::randn({1, 10, 1, 64});
   const at::Tensor g = at::zeros({1, 10, 1});
