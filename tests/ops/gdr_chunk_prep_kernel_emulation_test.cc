@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "kernels/gdr_chunk_prep.h"
@@ -542,6 +543,20 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{1, 130, 1, 1, 256, 256, at::kFloat, at::kFloat}),
     [](const ::testing::TestParamInfo<FusedCase>& info) { return describe(info.param); });
 
+// Unit-norm q, k and v in `dtype`, decays g in (-2, 0], beta in (0, 1): the inputs of the
+// layout and alignment tests below, from `seed`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> random_inputs(
+    uint64_t seed, int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv, at::ScalarType dtype) {
+  at::manual_seed(seed);
+  at::Tensor q = at::randn({B, T, H, dk}), k = at::randn({B, T, H, dk});
+  q = (q / q.norm(2, -1, true)).to(dtype);
+  k = (k / k.norm(2, -1, true)).to(dtype);
+  at::Tensor v = at::randn({B, T, H, dv}).to(dtype);
+  at::Tensor g = -2.0 * at::rand({B, T, H});
+  at::Tensor beta = at::sigmoid(at::randn({B, T, H}));
+  return {q, k, v, g, beta};
+}
+
 // Note [Gradients in the inputs' layout]: q, k, v as the consecutive column slices of one
 // [B, T, 2 H dk + H dv] buffer (the model's split) get dq, dk, dv as the same slices of
 // one new buffer, with the bits of the contiguous inputs' gradients; other layouts
@@ -550,13 +565,8 @@ TEST(ChunkPrepKernelEmulation, SplitInputsGetTheirGradientsAsSlicesOfOneBuffer) 
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     const int64_t B = 2, T = 70, H = 2, dk = 64, dv = 32, C = kChunkPrepChunk;
     const int64_t S = 2 * H * dk + H * dv;
-    at::manual_seed(11);
-    at::Tensor q = at::randn({B, T, H, dk}), k = at::randn({B, T, H, dk});
-    q = (q / q.norm(2, -1, true)).to(dtype);
-    k = (k / k.norm(2, -1, true)).to(dtype);
-    const at::Tensor v = at::randn({B, T, H, dv}).to(dtype);
-    const at::Tensor g = -2.0 * at::rand({B, T, H});
-    const at::Tensor beta = at::sigmoid(at::randn({B, T, H}));
+    at::Tensor q, k, v, g, beta;  // (std::tie: lambdas below capture them)
+    std::tie(q, k, v, g, beta) = random_inputs(11, B, T, H, dk, dv, dtype);
     const at::Tensor rows = at::cat(
         {q.reshape({B, T, H * dk}), k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
     const at::Tensor qs = rows.narrow(-1, 0, H * dk).view({B, T, H, dk});
@@ -611,13 +621,8 @@ TEST(ChunkPrepKernelEmulation, SplitInputsGetTheirGradientsAsSlicesOfOneBuffer) 
 TEST(ChunkPrepKernelEmulation, MisalignedOperandsGetTheBitsOfAlignedOnes) {
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     const int64_t B = 1, T = 100, H = 2, dk = 64, dv = 48, C = kChunkPrepChunk;
-    at::manual_seed(5);
-    at::Tensor q = at::randn({B, T, H, dk}), k = at::randn({B, T, H, dk});
-    q = (q / q.norm(2, -1, true)).to(dtype);
-    k = (k / k.norm(2, -1, true)).to(dtype);
-    const at::Tensor v = at::randn({B, T, H, dv}).to(dtype);
-    const at::Tensor g = -2.0 * at::rand({B, T, H});
-    const at::Tensor beta = at::sigmoid(at::randn({B, T, H}));
+    at::Tensor q, k, v, g, beta;  // (std::tie: lambdas below capture them)
+    std::tie(q, k, v, g, beta) = random_inputs(5, B, T, H, dk, dv, dtype);
     const double scale = 0.125;
     const auto fwd =
         chunk_prep_internal::forward_via_kernel(q, k, v, g, beta, scale, C, false, emulate_forward);
