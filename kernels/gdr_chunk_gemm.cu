@@ -18,18 +18,19 @@ std::atomic<int64_t> g_launches{0};
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-// Three blocks per SM (68 KiB of shared memory each): at most 168 registers.
-template <bool TA, bool TB>
+// Three blocks per SM (68 KiB of shared memory each): at most 168 registers. W: wgmma
+// where this pass has it (kWgmmaPass, sm_90a), mma.sync otherwise.
+template <bool TA, bool TB, bool W>
 __global__ void __launch_bounds__(kThreads, 3) chunk_gemm_kernel(const ChunkGemmArgs args) {
   extern __shared__ __align__(16) float chunk_gemm_smem[];
-  chunk_gemm_block<TA, TB>(args, chunk_gemm_smem);
+  chunk_gemm_block<TA, TB, W && kWgmmaPass>(args, chunk_gemm_smem);
 }
 
 // Grants the kernel its dynamic shared memory (above the 48 KiB default) and the largest
 // shared-memory carveout (three blocks per SM), once per device: cudaFuncSetAttribute is
 // per device and not a stream operation, so this is also safe while a stream is being
 // captured. Returns the error of a refusal (then every launch on that device fails).
-template <bool TA, bool TB>
+template <bool TA, bool TB, bool W>
 cudaError_t prepare_kernel() {
   constexpr int kMaxDevices = 64;
   // 0: not tried yet; else 1 + the outcome (a cudaError_t).
@@ -41,10 +42,10 @@ cudaError_t prepare_kernel() {
   int s = state[device].load(std::memory_order_acquire);
   if (s == 0) {
     error =
-        cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kChunkGemmSharedBytes);
+        cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB, W>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kChunkGemmSharedBytes);
     if (error == cudaSuccess) {
-      error = cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB>,
+      error = cudaFuncSetAttribute(chunk_gemm_kernel<TA, TB, W>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -55,13 +56,19 @@ cudaError_t prepare_kernel() {
   return static_cast<cudaError_t>(s - 1);
 }
 
-template <bool TA, bool TB>
+template <bool TA, bool TB, bool W>
 int launch(const ChunkGemmArgs& args, int64_t blocks, CUstream_st* stream) {
-  const cudaError_t prepared = prepare_kernel<TA, TB>();
+  const cudaError_t prepared = prepare_kernel<TA, TB, W>();
   if (prepared != cudaSuccess) return static_cast<int>(prepared);
-  chunk_gemm_kernel<TA, TB>
+  chunk_gemm_kernel<TA, TB, W>
       <<<static_cast<unsigned int>(blocks), kThreads, kChunkGemmSharedBytes, stream>>>(args);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <bool TA, bool TB>
+int launch(const ChunkGemmArgs& args, int64_t blocks, CUstream_st* stream) {
+  return args.allow_wgmma ? launch<TA, TB, true>(args, blocks, stream)
+                          : launch<TA, TB, false>(args, blocks, stream);
 }
 
 }  // namespace

@@ -26,7 +26,8 @@
 // Tiling (kernels/gdr_chunk_gemm_kernel.cuh, Note [Chunk GEMM tiling]): one block per
 // (z, 64-row tile, 64-column tile) of C, 4 warps of 32 x 32, K staged in slabs of 32 with
 // cp.async double buffering, each staged element split into TF32 big / small once per
-// block.
+// block. On sm_90a (Note [Chunk GEMM on wgmma]) the block is one warpgroup on wgmma, with
+// the slabs loaded into registers and split into two alternating plane buffers.
 //
 // Expected roofline (H100 SXM / H200, 132 SMs, ~1.8 GHz; estimates, not measured): mma.sync
 // m16n8k8 TF32 is 2048 FLOP, and the dense TF32 peak (495 TFLOP/s) is one such mma per SM
@@ -85,6 +86,10 @@ struct ChunkGemmArgs {
   float* c = nullptr;
   int64_t c_stride_batch = 0;
   int64_t c_stride_row = 0;
+  // Where the device code is sm_90a (H100 / H200), the products run on wgmma (Note [Chunk
+  // GEMM on wgmma] in kernels/gdr_chunk_gemm_kernel.cuh); false keeps them on mma.sync,
+  // the path of every other target. Both are deterministic; their bits may differ.
+  bool allow_wgmma = true;
 };
 
 // Blocks of the launch: batch * (m / 64) * ceil(n / 64).

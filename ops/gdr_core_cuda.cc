@@ -6,7 +6,8 @@
 // on the current stream. The sequential chunk walk is one kernel launch each way;
 // everything that does not depend on the carry (O, P^T dO, Qd^T dO, dW, dQd, dP, dKend)
 // is a handful of batched GEMMs over all (batch, head, chunk), on the 3xTF32 tensor-core
-// GEMM kernel (kernels/gdr_chunk_gemm.cu; GDR_CHUNK_GEMM_TC=0: cuBLAS FP32 through
+// GEMM kernel (kernels/gdr_chunk_gemm.cu, on wgmma where the GPU code has it unless
+// GDR_CHUNK_GEMM_WGMMA=0; GDR_CHUNK_GEMM_TC=0: cuBLAS FP32 through
 // at::bmm), and dGlast one ATen sum of the backward scan's per-thread partials. No
 // atomics anywhere: the kernels' sums are per-thread or per-warp in fixed order (Note
 // [Chunk state scan determinism], Note [Chunk GEMM determinism]) and the cuBLAS products
@@ -85,10 +86,17 @@ bool gemm_tensor_cores_allowed() {
 // and raising launch errors. Shapes kernels::chunk_gemm_supports refuses (none that the
 // scan accepts, short of a batch over 2^31 - 1 blocks) stay on at::bmm
 // (chunk_state_internal::gemm_product in ops/gdr_chunk_state.cc).
+// GDR_CHUNK_GEMM_WGMMA: 1 or unset (the default) lets that GEMM run on wgmma where the
+// GPU code has it (sm_90a: H100 / H200; Note [Chunk GEMM on wgmma] in
+// kernels/gdr_chunk_gemm_kernel.cuh), 0 keeps it on mma.sync (the path of the other
+// targets: other bits, same accuracy). Read once per op call, with GDR_CHUNK_GEMM_TC.
 chunk_state_internal::ChunkGemmLauncher gemm_launcher(const char* what) {
   if (!gemm_tensor_cores_allowed()) return {};
-  return [what](const kernels::ChunkGemmArgs& args) {
-    check_launch(kernels::launch_chunk_gemm(args, c10::cuda::getCurrentCUDAStream().stream()),
+  const bool wgmma = !env_picks_second("GDR_CHUNK_GEMM_WGMMA", "1", "0");
+  return [what, wgmma](const kernels::ChunkGemmArgs& args) {
+    kernels::ChunkGemmArgs chosen = args;
+    chosen.allow_wgmma = args.allow_wgmma && wgmma;
+    check_launch(kernels::launch_chunk_gemm(chosen, c10::cuda::getCurrentCUDAStream().stream()),
                  what);
   };
 }

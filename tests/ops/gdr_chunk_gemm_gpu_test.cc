@@ -5,7 +5,8 @@
 // bit-identical replays of each product while another stream loads the GPU; the chunk
 // state pass op (forward and backward through autograd) with GDR_CHUNK_GEMM_TC=1 (the
 // kernel) against =0 (at::bmm, cuBLAS FP32) and the FP64 CPU reference op; the refusal of
-// an unknown GDR_CHUNK_GEMM_TC value.
+// an unknown GDR_CHUNK_GEMM_TC value. Both kernel paths (wgmma, the default on sm_90a, and
+// mma.sync) against FP64 and each other.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -54,7 +55,8 @@ struct Product {
 at::Tensor op(const at::Tensor& x, bool transpose) { return transpose ? x.transpose(1, 2) : x; }
 
 // The kernel on the current stream: alpha * sum of op(a) op(b) into a fresh [batch, M, N].
-at::Tensor run_kernel(const Product& p) {
+// wgmma: the default path (wgmma on sm_90a), else mma.sync (ChunkGemmArgs::allow_wgmma).
+at::Tensor run_kernel(const Product& p, bool wgmma = true) {
   const Term& first = p.terms.front();
   kernels::ChunkGemmArgs args;
   args.batch = first.a.size(0);
@@ -71,6 +73,7 @@ at::Tensor run_kernel(const Product& p) {
     args.product[i].k = static_cast<int>(op(a, p.ta).size(2));
   }
   args.alpha = p.alpha;
+  args.allow_wgmma = wgmma;
   at::Tensor out = at::empty({args.batch, args.m, args.n}, kCuda);
   args.c = out.data_ptr<float>();
   args.c_stride_batch = out.stride(0);
@@ -129,38 +132,57 @@ TEST(ChunkGemmGpu, EveryStatePassProductMatchesFp64WithinThe3xTf32Bound) {
   struct Dims {
     int64_t dk, dv;
   };
-  for (const Dims d : {Dims{128, 128}, Dims{64, 64}, Dims{256, 128}}) {
-    for (const Product& p : state_pass_products(37, d.dk, d.dv, 11 + d.dk)) {
-      const std::string context =
-          p.name + " dk " + std::to_string(d.dk) + " dv " + std::to_string(d.dv);
-      const at::Tensor got = run_kernel(p).to(at::kCPU, at::kDouble);
-      const at::Tensor cublas = run_bmm(p, false).to(at::kCPU, at::kDouble);
-      const at::Tensor ref = run_bmm(p, true);
-      const at::Tensor abs_sum = run_bmm(p, true, true);
-      ASSERT_EQ(got.sizes(), ref.sizes()) << context;
-      int64_t k_total = 0;
-      for (const Term& t : p.terms) k_total += op(t.a, p.ta).size(2);
-      // The bound of //tests/ops:gdr_chunk_gemm_kernel_emulation_test (3 2^-22 |a b| per
-      // product for the split, K/8 + 2 accumulator roundings of at most sum |a b| per
-      // element) with 2^-21 instead of 2^-23 per accumulator step: the tensor cores' FP32
-      // accumulation aligns the mma's addends to the largest and truncates, a few ulp per
-      // mma at worst. That slack no longer tells plain TF32 apart at K = 320, so the
-      // FP32-level check below (plain TF32: ~3e-4) does.
-      const at::Tensor bound =
-          (3.0 * std::ldexp(1.0, -22) + (k_total / 8.0 + 2.0) * std::ldexp(1.0, -21)) * abs_sum +
-          1e-30;
-      const at::Tensor err = (got - ref).abs();
-      const double ratio = (err / bound).max().item<double>();
-      const double max_ref = ref.abs().max().item<double>();
-      const double rel = err.max().item<double>() / max_ref;
-      const double rel_cublas = (cublas - ref).abs().max().item<double>() / max_ref;
-      std::printf(
-          "%s: kernel %.2e, cuBLAS FP32 %.2e (max |error| / max |ref|), error / bound %.3f\n",
-          context.c_str(), rel, rel_cublas, ratio);
-      EXPECT_FALSE(at::isnan(got).any().item<bool>()) << context;
-      EXPECT_LE(ratio, 1.0) << context << ": an element outside the 3xTF32 bound";
-      EXPECT_LE(rel, 1e-5) << context << ": not FP32-level";
+  for (const bool wgmma : {true, false})
+    for (const Dims d : {Dims{128, 128}, Dims{64, 64}, Dims{256, 128}}) {
+      for (const Product& p : state_pass_products(37, d.dk, d.dv, 11 + d.dk)) {
+        const std::string context = p.name + " dk " + std::to_string(d.dk) + " dv " +
+                                    std::to_string(d.dv) + (wgmma ? " (default)" : " (mma.sync)");
+        const at::Tensor got = run_kernel(p, wgmma).to(at::kCPU, at::kDouble);
+        const at::Tensor cublas = run_bmm(p, false).to(at::kCPU, at::kDouble);
+        const at::Tensor ref = run_bmm(p, true);
+        const at::Tensor abs_sum = run_bmm(p, true, true);
+        ASSERT_EQ(got.sizes(), ref.sizes()) << context;
+        int64_t k_total = 0;
+        for (const Term& t : p.terms) k_total += op(t.a, p.ta).size(2);
+        // The bound of //tests/ops:gdr_chunk_gemm_kernel_emulation_test (3 2^-22 |a b| per
+        // product for the split, K/8 + 2 accumulator roundings of at most sum |a b| per
+        // element) with 2^-21 instead of 2^-23 per accumulator step: the tensor cores' FP32
+        // accumulation aligns the mma's addends to the largest and truncates, a few ulp per
+        // mma at worst. That slack no longer tells plain TF32 apart at K = 320, so the
+        // FP32-level check below (plain TF32: ~3e-4) does.
+        const at::Tensor bound =
+            (3.0 * std::ldexp(1.0, -22) + (k_total / 8.0 + 2.0) * std::ldexp(1.0, -21)) * abs_sum +
+            1e-30;
+        const at::Tensor err = (got - ref).abs();
+        const double ratio = (err / bound).max().item<double>();
+        const double max_ref = ref.abs().max().item<double>();
+        const double rel = err.max().item<double>() / max_ref;
+        const double rel_cublas = (cublas - ref).abs().max().item<double>() / max_ref;
+        std::printf(
+            "%s: kernel %.2e, cuBLAS FP32 %.2e (max |error| / max |ref|), error / bound %.3f\n",
+            context.c_str(), rel, rel_cublas, ratio);
+        EXPECT_FALSE(at::isnan(got).any().item<bool>()) << context;
+        EXPECT_LE(ratio, 1.0) << context << ": an element outside the 3xTF32 bound";
+        EXPECT_LE(rel, 1e-5) << context << ": not FP32-level";
+      }
     }
+}
+
+// The default path (wgmma on the H200) against mma.sync on the same inputs: one
+// m64n64k8 step sums its eight products as eight m16n8k8 steps do, so the two give the
+// same bits (Note [Chunk GEMM on wgmma]: training bits do not depend on the path); a
+// layout or descriptor error in either gives O(1) differences. Off sm_90a both are the
+// mma.sync path.
+TEST(ChunkGemmGpu, TheWgmmaAndMmaSyncPathsGiveTheSameBits) {
+  for (const Product& p : state_pass_products(512, 128, 128, 23)) {
+    const at::Tensor a = run_kernel(p, true), b = run_kernel(p, false);
+    const double rel = ((a - b).abs().max() / b.abs().max()).item<double>();
+    const int64_t same = at::eq(a.view(at::kInt), b.view(at::kInt)).sum().item<int64_t>();
+    std::printf(
+        "%s: default vs mma.sync max |difference| / max |C| %.2e, %lld of %lld "
+        "elements bitwise equal\n",
+        p.name.c_str(), rel, static_cast<long long>(same), static_cast<long long>(a.numel()));
+    EXPECT_TRUE(bitwise_equal(a, b)) << p.name;
   }
 }
 

@@ -1,9 +1,11 @@
 // The chunk GEMM kernel run on the CPU: kernels/gdr_chunk_gemm_kernel.cuh is compiled as
 // host code with stand-ins for the CUDA built-ins (one std::thread per CUDA thread, a
 // barrier for __syncthreads, a NaN-filled buffer per block for the dynamic shared memory,
-// one block at a time), its mma.sync and cvt.rna.tf32 emulated (tests/ops/
-// emulated_mma_tf32.h: the mma reads only the TF32 bits, so a missing split shows), and
-// checked against an FP64 loop over the contract of kernels/gdr_chunk_gemm.h: every
+// one block at a time), its mma.sync, wgmma and cvt.rna.tf32 emulated (tests/ops/
+// emulated_mma_tf32.h, emulated_wgmma_tf32.h: they read only the TF32 bits, so a missing
+// split shows), both paths run (wgmma, which sm_90a code takes, and mma.sync) and
+// required to agree bit for bit, and checked against an FP64 loop over the contract of
+// kernels/gdr_chunk_gemm.h: every
 // product of the chunk state pass at dk = dv = 64, dk = dv = 128 and dk = 256, dv = 128,
 // i.e. both transposes the pass uses (A^T B, A B^T) and plain A B, one and two
 // products, alpha = -1; then beta != 0, A^T B^T, N not a multiple of 64, K not a multiple
@@ -44,6 +46,7 @@
 #include "tests/ops/emulated_cp_async.h"
 #include "tests/ops/emulated_cuda.h"
 #include "tests/ops/emulated_mma_tf32.h"
+#include "tests/ops/emulated_wgmma_tf32.h"
 
 // cp_async_16, cp_async_4, cp_async_wait_all: tests/ops/emulated_cp_async.h.
 
@@ -74,13 +77,15 @@ namespace {
 
 // As launch_chunk_gemm: every block of the grid in turn, kChunkGemmThreads host threads
 // each, on a shared-memory buffer refilled with NaN per block (a read of a slot nobody
-// wrote for this block then shows in the result).
-void run_emulated_gemm(const ChunkGemmArgs& args) {
+// wrote for this block then shows in the result). `wgmma`: the sm_90a path (Note [Chunk
+// GEMM on wgmma]), else the mma.sync path of the other targets.
+void run_emulated_gemm(const ChunkGemmArgs& args, bool wgmma) {
   ASSERT_TRUE(chunk_gemm_supports(args));
   const int64_t blocks = chunk_gemm_blocks(args);
   std::vector<float> smem(chunk_gemm_detail::kSharedFloats + 4);
   float* const aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(smem.data()) + 15) /
                                                   16 * 16);  // dynamic smem: 16 B
+  g_shared_window = reinterpret_cast<const char*>(aligned);
   constexpr int kWarps = kChunkGemmThreads / 32;
   static_assert(kWarps <= kMaxWarps, "one emulated warp barrier per warp");
   pthread_barrier_init(&g_block_barrier, nullptr, kChunkGemmThreads);
@@ -89,17 +94,21 @@ void run_emulated_gemm(const ChunkGemmArgs& args) {
     std::fill(smem.begin(), smem.end(), NAN);
     std::vector<std::thread> threads;
     for (int t = 0; t < kChunkGemmThreads; ++t) {
-      threads.emplace_back([&args, aligned, b, t] {
+      threads.emplace_back([&args, aligned, b, t, wgmma] {
         blockIdx.x = static_cast<unsigned>(b);
         threadIdx.x = static_cast<unsigned>(t);
         using namespace chunk_gemm_detail;
-        if (args.transpose_a) {
-          args.transpose_b ? chunk_gemm_block<true, true>(args, aligned)
-                           : chunk_gemm_block<true, false>(args, aligned);
-        } else {
-          args.transpose_b ? chunk_gemm_block<false, true>(args, aligned)
-                           : chunk_gemm_block<false, false>(args, aligned);
-        }
+        auto run = [&](auto w) {
+          constexpr bool W = decltype(w)::value;
+          if (args.transpose_a) {
+            args.transpose_b ? chunk_gemm_block<true, true, W>(args, aligned)
+                             : chunk_gemm_block<true, false, W>(args, aligned);
+          } else {
+            args.transpose_b ? chunk_gemm_block<false, true, W>(args, aligned)
+                             : chunk_gemm_block<false, false, W>(args, aligned);
+          }
+        };
+        wgmma ? run(std::true_type{}) : run(std::false_type{});
       });
     }
     for (std::thread& thread : threads) thread.join();
@@ -195,11 +204,34 @@ TEST_P(ChunkGemmKernelEmulation, MatchesAnFp64LoopWithinThe3xTf32Bound) {
   args.c = out.data.data() + out.offset;
   args.c_stride_batch = out.batch_stride;
   args.c_stride_row = out.pitch;
+  // Both paths, each from the same C (every call writes C, and beta != 0 reads it).
+  const std::vector<float> c_before = out.data;
   g_mma_count = 0;
-  run_emulated_gemm(args);
+  g_wgmma_count = 0;
+  run_emulated_gemm(args, /*wgmma=*/false);
   // Warp 0 owns 2 x 4 mma tiles (fewer where its columns pass N) and issues 3 mmas per
   // tile and k-step of every product, in every block.
-  EXPECT_GT(g_mma_count, 0) << "the tensor-core path did not run";
+  EXPECT_GT(g_mma_count, 0) << "the mma.sync path did not run";
+  EXPECT_EQ(g_wgmma_count, 0);
+  const std::vector<float> out_mma = out.data;
+  out.data = c_before;
+  g_mma_count = 0;
+  run_emulated_gemm(args, /*wgmma=*/true);
+  // Three per k-step of every 32-deep slab (short slabs padded), in every block.
+  const int slabs = (c.k0 + kChunkGemmSlabK - 1) / kChunkGemmSlabK +
+                    (c.k1 + kChunkGemmSlabK - 1) / kChunkGemmSlabK;
+  EXPECT_EQ(g_wgmma_count, chunk_gemm_blocks(args) * slabs * 4 * 3);
+  EXPECT_EQ(g_mma_count, 0) << "the wgmma path ran mma.sync";
+  // The emulated wgmma and mma.sync do the same arithmetic (tests/ops/
+  // emulated_wgmma_tf32.h), so the two paths agree bit for bit exactly when they feed the
+  // same operands to the same accumulator chains: the wgmma path's layout, descriptors,
+  // padding and epilogue against the mma.sync path's.
+  for (size_t e = 0; e < out.data.size(); ++e) {
+    ASSERT_TRUE(std::memcmp(&out.data[e], &out_mma[e], 4) == 0 ||
+                (std::isnan(out.data[e]) && std::isnan(out_mma[e])))
+        << "the paths differ at offset " << static_cast<int64_t>(e) - out.offset << ": wgmma "
+        << out.data[e] << ", mma.sync " << out_mma[e];
+  }
 
   double max_err = 0.0, max_ref = 0.0, worst_ratio = 0.0;
   const int k_total = c.k0 + c.k1;
@@ -359,7 +391,7 @@ class DeferringSideStream final : public chunk_state_internal::SideStream {
   }
   void join() override {
     events += "join";
-    for (const ChunkGemmArgs& args : deferred) run_emulated_gemm(args);
+    for (const ChunkGemmArgs& args : deferred) run_emulated_gemm(args, /*wgmma=*/true);
     deferred.clear();
   }
   // Called by the test's GEMM launcher: true when the GEMM was deferred.
@@ -419,7 +451,7 @@ TEST(ChunkStateScanImplementation, WithTheEmulatedGemmMatchesTheReferenceOpAndTh
       if (side.defer(a)) {
         ++deferred_calls;
       } else {
-        run_emulated_gemm(a);
+        run_emulated_gemm(a, /*wgmma=*/true);
       }
     };
     // [0]: at::bmm, [1]: the emulated GEMM, [2]: the emulated GEMM with dQd and dP through

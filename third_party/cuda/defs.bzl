@@ -2,19 +2,22 @@
 
 load("@local_cuda//:defs.bzl", "NVCC")
 
-# sm_80 (A100), sm_86 (A6000/RTX 30), sm_90 (H100/H200) machine code + compute_90 PTX
-# so newer GPUs can JIT.
+# sm_80 (A100), sm_86 (A6000/RTX 30), sm_90a (H100/H200) machine code + compute_90 PTX
+# so newer GPUs can JIT. The H100/H200 code is built for sm_90a, the architecture-specific
+# target, so that kernels may use wgmma (kernels/wgmma_tf32.cuh); its machine code runs on
+# compute capability 9.0 only, which is what sm_90 code ran on too. The portable compute_90
+# PTX has no wgmma: kernels keep an mma.sync path for it and for sm_80 / sm_86.
 CUDA_GENCODE = [
     "-gencode=arch=compute_80,code=sm_80",
     "-gencode=arch=compute_86,code=sm_86",
-    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_90,code=compute_90",
 ]
 
 # `--define=cuda_archs=sm90` (tools/gpu/make_bundle.sh): H100/H200 machine code only. The
 # GPU bundle links the kernels statically into every binary, and four architectures made
 # it too big to carry to the GPU machine.
-CUDA_GENCODE_SM90 = ["-gencode=arch=compute_90,code=sm_90"]
+CUDA_GENCODE_SM90 = ["-gencode=arch=compute_90a,code=sm_90a"]
 
 CUDA_COPTS = [
     "-std=c++17",
