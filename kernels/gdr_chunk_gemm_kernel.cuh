@@ -88,7 +88,10 @@
 // 2.72 per forward+backward at T = 16384, H = 16, dk = dv = 128. A variant that loaded the
 // slabs straight into registers (no raw stage) and split them into two alternating plane
 // buffers, so that a slab's wgmmas overlapped the next slab's split, was slower (2.99 ms):
-// its 16-byte loads each touch 32 rows, where cp.async moves whole 128-byte lines.
+// its 16-byte loads each touch 32 rows, where cp.async moves whole 128-byte lines. So was
+// this path with two plane buffers and the same overlap (run 88: 2.89 ms): 100 KiB of
+// shared memory leaves two blocks per SM instead of three, which costs more than the
+// overlap gains.
 #pragma once
 
 #include "kernels/gdr_chunk_gemm.h"

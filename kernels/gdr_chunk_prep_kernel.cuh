@@ -282,13 +282,6 @@ __device__ __forceinline__ Vec4 load4_input(const Bf16* p) {
 #endif
   return r;
 }
-// Whether load4_input may read groups of four starting at multiples of 4 elements of every
-// row of an input with these strides.
-template <typename T>
-__device__ __forceinline__ bool rows_load4(const T* base, const TokenStrides& st) {
-  return reinterpret_cast<unsigned long long>(base) % (4 * sizeof(T)) == 0 && st.batch % 4 == 0 &&
-         st.token % 4 == 0 && st.head % 4 == 0;
-}
 
 // x, as a value the compiler cannot see through: what derives from it is computed afresh.
 // The backward's triangular solve stores its column through row addresses i * pitch;
@@ -335,9 +328,24 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
 // values and bits are those of the one-at-a-time loops.
 constexpr int kLoadBatch = 8;
 
+// Whether load4_input may read groups of four starting at multiples of 4 elements of every
+// row of an input with these strides.
+template <typename T>
+__device__ __forceinline__ bool rows_load4(const T* base, const TokenStrides& st) {
+  return reinterpret_cast<unsigned long long>(base) % (4 * sizeof(T)) == 0 && st.batch % 4 == 0 &&
+         st.token % 4 == 0 && st.head % 4 == 0;
+}
+
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
 // With the fused L2 norm both are loaded raw and normalize_qk finishes them. Threads: the
 // block's thread count (here and in the helpers below; each element is one thread's).
+// Where both inputs' rows allow it (rows_load4; dk is a multiple of 16), four consecutive
+// values per load (load4_input: 8 bytes of BF16, 16 of FP32), kQuadBatch loads per thread
+// and input in flight: a BF16 chunk at dk = 128 then takes 4 x 8-byte loads per thread and
+// input in two round trips (256 threads) or one (512), instead of 32 or 16 2-byte loads in
+// four or two. Pure data movement: the values (each q value still times q_mul) and bits are
+// those of the one-value path below.
+constexpr int kQuadBatch = 4;
 template <typename TIn, int Threads, typename Args>
 __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& place, float* qs,
                                         int q_pitch, float* ks, int k_pitch) {
@@ -346,6 +354,32 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
   const TIn* k = static_cast<const TIn*>(args.k);
   const float q_mul = s.l2_normalize_qk ? 1.0f : s.scale;
   const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
+  if (rows_load4(q, args.q_strides) && rows_load4(k, args.k_strides)) {
+    for (int e0 = 0; e0 < n; e0 += 4 * Threads * kQuadBatch) {
+      Vec4 qv[kQuadBatch], kv[kQuadBatch];
+#pragma unroll
+      for (int m = 0; m < kQuadBatch; ++m) {
+        const int e = e0 + 4 * (tid + Threads * m), i = e / dk, c = e % dk;
+        qv[m] = kv[m] = Vec4{{0.0f, 0.0f, 0.0f, 0.0f}};
+        if (e < n && i < place.rows) {
+          qv[m] = load4_input(q + key_row(args.q_strides, place, i) + c);
+          kv[m] = load4_input(k + key_row(args.k_strides, place, i) + c);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < kQuadBatch; ++m) {
+        const int e = e0 + 4 * (tid + Threads * m), i = e / dk, c = e % dk;
+        if (e < n) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            qs[i * q_pitch + c + u] = qv[m].v[u] * q_mul;
+            ks[i * k_pitch + c + u] = kv[m].v[u];
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int e0 = 0; e0 < n; e0 += Threads * kLoadBatch) {
     float qv[kLoadBatch], kv[kLoadBatch];
 #pragma unroll
@@ -745,11 +779,11 @@ __device__ __forceinline__ void back_substitute_blocked(const float* mt, float* 
 // and row, strided by the token pitch) stalled the block on L1TEX scoreboards: ncu on the
 // H200 in the 0.8B step measured 178 us against 145 us for the same kernel reading an
 // FP32 copy of v (38% of the cycles stalled on that scoreboard). So a BF16 v chunk is first
-// copied into shared memory with 4-byte cp.async (two values per copy, 128 bytes per warp
-// and row, all in flight at once and overlapping the Q / K loads), and the columns are read
-// from there: the same values, so the same bits. v rows that are not 4-byte aligned are
-// staged one value at a time (one code path for the solve either way: a second one made
-// ptxas spill 134 bytes instead of 28).
+// copied into shared memory with cp.async (16-byte copies of eight values where the rows
+// are 16-byte aligned, else 4-byte copies of two; all in flight at once and overlapping the
+// Q / K loads), and the columns are read from there: the same values, so the same bits. v
+// rows that are not 4-byte aligned are staged one value at a time (one code path for the
+// solve either way: a second one made ptxas spill 134 bytes instead of 28).
 __device__ __forceinline__ bool aligned_pairs(const void* base, const TokenStrides& st) {
   return reinterpret_cast<unsigned long long>(base) % 4 == 0 && st.batch % 2 == 0 &&
          st.token % 2 == 0 && st.head % 2 == 0;
@@ -779,7 +813,20 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   if constexpr (kStaged) {
     const int pairs = dv / 2;  // dv is a multiple of 16
     const bool aligned = aligned_pairs(args.v, args.v_strides);
-    for (int e = tid; e < kC * pairs; e += kThreads) {
+    // Rows in whole 16-byte pieces: eight values per copy (a quarter of the copies).
+    const TokenStrides& st = args.v_strides;
+    const bool aligned16 = reinterpret_cast<unsigned long long>(args.v) % 16 == 0 &&
+                           st.batch % 8 == 0 && st.token % 8 == 0 && st.head % 8 == 0;
+    for (int e = 4 * tid; aligned16 && e < kC * pairs; e += 4 * kThreads) {
+      const int i = e / pairs, w = e % pairs;
+      if (i >= place.rows) {
+        for (int u = 0; u < 4; ++u) vstage[e + u] = 0.0f;
+      } else {
+        cp_async_16(vstage + e,
+                    reinterpret_cast<const float*>(v + input_row(st, place, i) + 2 * w));
+      }
+    }
+    for (int e = tid; !aligned16 && e < kC * pairs; e += kThreads) {
       const int i = e / pairs, w = e % pairs;
       const TV* src = v + input_row(args.v_strides, place, i) + 2 * w;
       if (i >= place.rows) {
@@ -835,14 +882,41 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 
   float* u = args.u + place.block * kC * dv;
   float* w = args.w + place.block * kC * dk;
+  // With a staged (BF16) v, one call site of the unrolled solve (~2,500 instructions) serves
+  // the value and the key columns: with one copy per branch both copies are live at once
+  // (warps of both kinds run side by side), twice the instruction-cache footprint, and the
+  // solve took 32-37k cycles per chunk against 14.7k with one copy (clock64 marks, H200,
+  // T = 16384; Note [Blocked back substitution] has the backward's case). With an FP32 v
+  // (read from global memory inside the branch) one call site made ptxas spill 144 bytes
+  // instead of 28, so that path keeps a copy per branch. Same FMAs in the same order either
+  // way: the same bits.
+  auto store_column = [&](int c, const float(&x)[kC]) {
+    if (c < dv) {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) u[i * dv + c] = x[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kC; ++i) w[i * dk + c - dv] = x[i];
+    }
+  };
+  auto key_rhs = [&](int c, float(&x)[kC]) {
+#pragma unroll
+    for (int i = 0; i < kC; ++i) x[i] = (ks[i * kp + c - dv] * bs[i]) * es[i];
+  };
   for (int c = tid; c < cols; c += kThreads) {
     float x[kC];
-    if (c < dv) {
-      if constexpr (kStaged) {
+    if constexpr (kStaged) {
+      if (c < dv) {
         const Bf16* vs = reinterpret_cast<const Bf16*>(vstage) + c;
 #pragma unroll
         for (int i = 0; i < kC; ++i) x[i] = load_float(vs + i * dv) * bs[i];
       } else {
+        key_rhs(c, x);
+      }
+      forward_substitute(ms, x);
+      store_column(c, x);
+    } else {
+      if (c < dv) {
         const TV* vc = v + input_row(args.v_strides, place, 0) + c;
         const long long token = args.v_strides.token;
 #pragma unroll
@@ -850,16 +924,12 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
           const float vv = i < place.rows ? load_float(vc + i * token) : 0.0f;
           x[i] = vv * bs[i];
         }
+        forward_substitute(ms, x);
+      } else {
+        key_rhs(c, x);
+        forward_substitute(ms, x);
       }
-      forward_substitute(ms, x);
-#pragma unroll
-      for (int i = 0; i < kC; ++i) u[i * dv + c] = x[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kC; ++i) x[i] = (ks[i * kp + c - dv] * bs[i]) * es[i];
-      forward_substitute(ms, x);
-#pragma unroll
-      for (int i = 0; i < kC; ++i) w[i * dk + c - dv] = x[i];
+      store_column(c, x);
     }
   }
 }
