@@ -3,14 +3,15 @@
 // which wraps the body in a __global__ kernel with dynamic shared memory, and by the CPU
 // test //tests/ops:gdr_chunk_gemm_kernel_emulation_test, which runs this very code with
 // one host thread per CUDA thread.
-// NOTE: keep this file free of other includes (besides kernels/mma_tf32.cuh and
-// kernels/cp_async.cuh) and of CUDA APIs beyond __device__, __forceinline__, __syncthreads,
-// threadIdx, blockIdx and fmaf, and of the helpers below and in kernels/mma_tf32.cuh and
-// kernels/cp_async.cuh (tf32_round, tf32_as_float, mma_m16n8k8_tf32, cp_async_16,
-// cp_async_4, cp_async_wait_all): the emulation test defines the built-ins, defines
-// GDR_CHUNK_GEMM_HOST_HELPERS (which implies GDR_MMA_TF32_HOST_HELPERS and
-// GDR_CP_ASYNC_HOST_HELPERS) and supplies host stand-ins for the helpers (the mma as a
-// warp-collective exchange through a per-warp scratch and barrier).
+// NOTE: keep this file free of other includes (besides kernels/mma_tf32.cuh,
+// kernels/wgmma_tf32.cuh and kernels/cp_async.cuh) and of CUDA APIs beyond __device__,
+// __forceinline__, __syncthreads, threadIdx, blockIdx and fmaf, and of the helpers below and
+// in those headers (tf32_round, tf32_as_float, mma_m16n8k8_tf32, the wgmma primitives,
+// cp_async_16, cp_async_4, cp_async_wait_all): the emulation test defines the built-ins,
+// defines GDR_CHUNK_GEMM_HOST_HELPERS (which implies GDR_MMA_TF32_HOST_HELPERS,
+// GDR_WGMMA_TF32_HOST_HELPERS and GDR_CP_ASYNC_HOST_HELPERS) and supplies host stand-ins
+// for the helpers (the mma as a warp-collective exchange through a per-warp scratch and
+// barrier, the wgmma from the descriptors' shared memory at its wait).
 //
 // Note [Chunk GEMM tiling]
 // Block: one (z, 64-row tile, 64-column tile) of C, the column tile fastest in blockIdx
