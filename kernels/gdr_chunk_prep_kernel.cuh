@@ -328,18 +328,26 @@ __device__ __forceinline__ void load_decays(const Args& args, const ChunkPlace& 
 // values and bits are those of the one-at-a-time loops.
 constexpr int kLoadBatch = 8;
 
-// Whether load4_input may read groups of four starting at multiples of 4 elements of every
-// row of an input with these strides.
-template <typename T>
-__device__ __forceinline__ bool rows_load4(const T* base, const TokenStrides& st) {
-  return reinterpret_cast<unsigned long long>(base) % (4 * sizeof(T)) == 0 && st.batch % 4 == 0 &&
-         st.token % 4 == 0 && st.head % 4 == 0;
+// Whether every row of an input with these strides may be read in aligned groups of
+// kGroup elements from multiples of kGroup (kGroup * sizeof(T) bytes per access): 4 for
+// load4_input, 2 and 8 for the forward's BF16 v staging (4- and 16-byte cp.async).
+template <int kGroup, typename T>
+__device__ __forceinline__ bool rows_aligned(const T* base, const TokenStrides& st) {
+  return reinterpret_cast<unsigned long long>(base) % (kGroup * sizeof(T)) == 0 &&
+         st.batch % kGroup == 0 && st.token % kGroup == 0 && st.head % kGroup == 0;
+}
+
+// Whether two pointers are both 16-byte aligned (16-byte copies and loads of FP32 rows
+// whose widths are multiples of 4).
+__device__ __forceinline__ bool both_16_byte_aligned(const void* a, const void* b) {
+  return ((reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b)) &
+          15ull) == 0;
 }
 
 // K (and scale * Q) of the chunk into shared rows of the given pitches; zeros past the end.
 // With the fused L2 norm both are loaded raw and normalize_qk finishes them. Threads: the
 // block's thread count (here and in the helpers below; each element is one thread's).
-// Where both inputs' rows allow it (rows_load4; dk is a multiple of 16), four consecutive
+// Where both inputs' rows allow it (rows_aligned<4>; dk is a multiple of 16), four consecutive
 // values per load (load4_input: 8 bytes of BF16, 16 of FP32), kQuadBatch loads per thread
 // and input in flight: a BF16 chunk at dk = 128 then takes 4 x 8-byte loads per thread and
 // input in two round trips (256 threads) or one (512), instead of 32 or 16 2-byte loads in
@@ -354,7 +362,7 @@ __device__ __forceinline__ void load_qk(const Args& args, const ChunkPlace& plac
   const TIn* k = static_cast<const TIn*>(args.k);
   const float q_mul = s.l2_normalize_qk ? 1.0f : s.scale;
   const int dk = s.dk, n = kC * dk, tid = threadIdx.x;
-  if (rows_load4(q, args.q_strides) && rows_load4(k, args.k_strides)) {
+  if (rows_aligned<4>(q, args.q_strides) && rows_aligned<4>(k, args.k_strides)) {
     for (int e0 = 0; e0 < n; e0 += 4 * Threads * kQuadBatch) {
       Vec4 qv[kQuadBatch], kv[kQuadBatch];
 #pragma unroll
@@ -784,10 +792,6 @@ __device__ __forceinline__ void back_substitute_blocked(const float* mt, float* 
 // Q / K loads), and the columns are read from there: the same values, so the same bits. v
 // rows that are not 4-byte aligned are staged one value at a time (one code path for the
 // solve either way: a second one made ptxas spill 134 bytes instead of 28).
-__device__ __forceinline__ bool aligned_pairs(const void* base, const TokenStrides& st) {
-  return reinterpret_cast<unsigned long long>(base) % 4 == 0 && st.batch % 2 == 0 &&
-         st.token % 2 == 0 && st.head % 2 == 0;
-}
 
 // Threads: kForwardThreads, or 512 where one block fills an SM (chunk_prep_forward_threads).
 template <typename TQK, typename TV, bool TC, int Threads = kForwardThreads>
@@ -812,11 +816,10 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   constexpr bool kStaged = std::is_same<TV, Bf16>::value;
   if constexpr (kStaged) {
     const int pairs = dv / 2;  // dv is a multiple of 16
-    const bool aligned = aligned_pairs(args.v, args.v_strides);
+    const bool aligned = rows_aligned<2>(static_cast<const Bf16*>(args.v), args.v_strides);
     // Rows in whole 16-byte pieces: eight values per copy (a quarter of the copies).
     const TokenStrides& st = args.v_strides;
-    const bool aligned16 = reinterpret_cast<unsigned long long>(args.v) % 16 == 0 &&
-                           st.batch % 8 == 0 && st.token % 8 == 0 && st.head % 8 == 0;
+    const bool aligned16 = rows_aligned<8>(static_cast<const Bf16*>(args.v), st);
     for (int e = 4 * tid; aligned16 && e < kC * pairs; e += 4 * kThreads) {
       const int i = e / pairs, w = e % pairs;
       if (i >= place.rows) {
@@ -1015,9 +1018,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
     // latency passes under the decays, the L2 norm and the Gram tiles instead of being
     // paid after them. 16-byte copies where both bases are 16-byte aligned (rows are: dv
     // and dk are multiples of 16), else 4-byte ones; zeros for a missing gradient.
-    const bool aligned16 = ((reinterpret_cast<unsigned long long>(args.grad_u) |
-                             reinterpret_cast<unsigned long long>(args.grad_w)) &
-                            15ull) == 0;
+    const bool aligned16 = both_16_byte_aligned(args.grad_u, args.grad_w);
     const int row_pieces = cols / 4;
     for (int e = tid; e < kC * row_pieces; e += kThreads) {
       const int i = e / row_pieces, c = 4 * (e % row_pieces);
@@ -1284,10 +1285,8 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
         for (int u = 0; u < 4; ++u) dst[u] = load_float(src + u);
       }
     };
-    const bool v_vec = rows_load4(v, args.v_strides);
-    const bool grad_vec = ((reinterpret_cast<unsigned long long>(args.grad_qd) |
-                            reinterpret_cast<unsigned long long>(args.grad_kend)) &
-                           15ull) == 0;
+    const bool v_vec = rows_aligned<4>(v, args.v_strides);
+    const bool grad_vec = both_16_byte_aligned(args.grad_qd, args.grad_kend);
     const int v_begin = 4 * (p * v_groups / kParts), v_end = 4 * ((p + 1) * v_groups / kParts);
     const int k_end = (p + 1) * k_width;
     for (int c0 = v_begin; c0 < v_end; c0 += kLoadBatch) {
