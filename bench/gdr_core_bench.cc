@@ -7,8 +7,9 @@
 // backward's dQd / dP GEMMs beside the scan (the default) and after it ("..., in line)",
 // GDR_CHUNK_GEMM_OVERLAP=0, set per arm), and
 // steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
-// through set_gdr_core_prep; all FP32 SIMT, the default, and with tensor-core Gram and dM
-// tiles, "kernel (tc)", GDR_CHUNK_PREP_TC=1, set per arm in this process) against the ATen ops
+// through set_gdr_core_prep; the backward's dM, dK and dQ products on tensor cores, the
+// default, and all FP32 SIMT, "kernel (simt)", GDR_CHUNK_PREP_TC=0, set per arm in this
+// process) against the ATen ops
 // (aten): forward (autograd recording, as
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
@@ -114,8 +115,8 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
   // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
   // SIMT kernel, its batched products on the tensor-core GEMM (3xTF32, the default) and,
-  // GDR_CHUNK_GEMM_TC=0, on cuBLAS FP32; the prep kernels all FP32 SIMT (the default) and,
-  // GDR_CHUNK_PREP_TC=1, with tensor-core Gram and dM tiles; the backward's dQd / dP GEMMs
+  // GDR_CHUNK_GEMM_TC=0, on cuBLAS FP32; the prep backward's dM, dK and dQ products on
+  // tensor cores (the default) and, GDR_CHUNK_PREP_TC=0, FP32 SIMT; the backward's dQd / dP GEMMs
   // beside the scan on a side stream (the default) and, GDR_CHUNK_GEMM_OVERLAP=0, in line;
   // the first arm is the default configuration, the last (all ATen) the baseline of the
   // "vs composite" columns.
@@ -123,15 +124,15 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     GdrCoreImpl impl;
     GdrCorePrep prep;
     bool scan_tc;
-    bool prep_tc = false;
+    bool prep_tc = true;
     bool gemm_tc = true;
     bool gemm_overlap = true;
   };
   constexpr int kArms = 7;
   const Arm arms[kArms] = {{GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true},
-                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false, true, false},
-                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false, false},
-                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true, true, false},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, true, false},
+                           {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, true, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
                            {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
@@ -144,9 +145,11 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     saved_switches.push_back(value ? std::optional<std::string>(value) : std::nullopt);
   }
   // The tensor-core prep exists for dk <= 128 only (kernels::chunk_prep_uses_tensor_cores):
-  // elsewhere its arm would time the SIMT prep again, so it is left out.
+  // elsewhere the default arms run the SIMT prep and the SIMT arm would time it again, so
+  // it is left out.
+  const bool prep_has_tc = kernels::chunk_prep_uses_tensor_cores(dk, dv, true);
   auto skipped = [&](const Arm& arm) {
-    return arm.prep_tc && !kernels::chunk_prep_uses_tensor_cores(dk, dv, true);
+    return arm.prep == GdrCorePrep::kKernel && !arm.prep_tc && !prep_has_tc;
   };
   Timings t[kArms];
   for (int i = 0; i < kArms; ++i) {
@@ -184,11 +187,12 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
                    arms[i].gemm_tc ? "cuBLAS" : "the tensor-core GEMM",
                    arms[i].gemm_tc ? "the tensor-core GEMM" : "cuBLAS");
     }
+    const bool expect_prep_tc = arms[i].prep_tc && prep_has_tc;
     if (arms[i].prep == GdrCorePrep::kKernel &&
-        kernels::chunk_prep_last_used_tensor_cores() != arms[i].prep_tc) {
+        kernels::chunk_prep_last_used_tensor_cores() != expect_prep_tc) {
       std::fprintf(stderr, "gdr_core_bench: the prep ran on %s, expected %s\n",
-                   arms[i].prep_tc ? "SIMT" : "tensor cores",
-                   arms[i].prep_tc ? "tensor cores" : "SIMT");
+                   expect_prep_tc ? "SIMT" : "tensor cores",
+                   expect_prep_tc ? "tensor cores" : "SIMT");
     }
     t[i].forward_ms = median_ms(forward);
     t[i].forward_backward_ms = median_ms(forward_backward);
@@ -217,7 +221,7 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
                    (arms[i].gemm_tc && !arms[i].gemm_overlap ? ", in line)" : ")"));
     const std::string prep =
         std::string(to_string(arms[i].prep)) +
-        (arms[i].prep == GdrCorePrep::kKernel && arms[i].prep_tc ? " (tc)" : "");
+        (arms[i].prep == GdrCorePrep::kKernel && !arms[i].prep_tc ? " (simt)" : "");
     std::printf(
         "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
         static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk),

@@ -29,15 +29,15 @@ int record(int error, bool tensor_cores) {
 
 // Two blocks per SM (83 KiB of shared memory each at dk = 128), or one of 512 threads
 // (chunk_prep_forward_threads): at most 128 registers either way.
-// TC: the tensor-core variant (Note [Chunk prep on tensor cores]).
-template <typename TQK, typename TV, bool TC, int Threads>
+template <typename TQK, typename TV, int Threads>
 __global__ void __launch_bounds__(Threads, 2 * kForwardThreads / Threads)
     chunk_prep_forward_kernel(const ChunkPrepForwardArgs args) {
   extern __shared__ float smem[];
-  chunk_prep_forward_block<TQK, TV, TC, Threads>(args, smem);
+  chunk_prep_forward_block<TQK, TV, Threads>(args, smem);
 }
 
 // One block per SM (up to 227 KiB of shared memory): 16 warps, so at most 128 registers.
+// TC: the tensor-core variant (Note [Chunk prep on tensor cores]).
 template <typename TQK, typename TV, int DK, bool TC>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     chunk_prep_backward_kernel(const ChunkPrepBackwardArgs args) {
@@ -81,18 +81,16 @@ bool valid_shape(const ChunkPrepShape& s) {
          s.head_group >= 1 && s.heads % s.head_group == 0;
 }
 
-template <bool TC, int Threads>
-int launch_forward_tc(const ChunkPrepForwardArgs& args, int64_t floats, CUstream_st* stream) {
+template <int Threads>
+int launch_forward(const ChunkPrepForwardArgs& args, int64_t floats, CUstream_st* stream) {
   const ChunkPrepShape& s = args.shape;
   if (s.qk_input == ChunkPrepInput::kFloat) {
-    return launch<Threads>(chunk_prep_forward_kernel<float, float, TC, Threads>, args, floats,
-                           stream);
+    return launch<Threads>(chunk_prep_forward_kernel<float, float, Threads>, args, floats, stream);
   }
   if (s.v_input == ChunkPrepInput::kFloat) {
-    return launch<Threads>(chunk_prep_forward_kernel<Bf16, float, TC, Threads>, args, floats,
-                           stream);
+    return launch<Threads>(chunk_prep_forward_kernel<Bf16, float, Threads>, args, floats, stream);
   }
-  return launch<Threads>(chunk_prep_forward_kernel<Bf16, Bf16, TC, Threads>, args, floats, stream);
+  return launch<Threads>(chunk_prep_forward_kernel<Bf16, Bf16, Threads>, args, floats, stream);
 }
 
 template <int DK, bool TC>
@@ -118,15 +116,11 @@ int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* str
   const ChunkPrepShape& s = args.shape;
   if (!valid_shape(s)) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t floats = chunk_prep_forward_smem_floats(s.dk, s.dv);
+  // FP32 SIMT in every variant (Note [Chunk prep on tensor cores]).
   if (chunk_prep_forward_threads(s.dk, s.dv) == kChunkPrepWideForwardThreads) {
-    // One block per SM; SIMT only (no shape with a tensor-core variant gets here).
-    return record(launch_forward_tc<false, kChunkPrepWideForwardThreads>(args, floats, stream),
-                  false);
+    return record(launch_forward<kChunkPrepWideForwardThreads>(args, floats, stream), false);
   }
-  const bool tc = chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores);
-  return record(tc ? launch_forward_tc<true, kForwardThreads>(args, floats, stream)
-                   : launch_forward_tc<false, kForwardThreads>(args, floats, stream),
-                tc);
+  return record(launch_forward<kForwardThreads>(args, floats, stream), false);
 }
 
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream) {

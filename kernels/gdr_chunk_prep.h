@@ -152,17 +152,17 @@ struct ChunkPrepShape {
   ChunkPrepInput qk_input = ChunkPrepInput::kFloat;
   ChunkPrepInput v_input = ChunkPrepInput::kFloat;
   // false: always the FP32 SIMT products. The op layer sets it from GDR_CHUNK_PREP_TC
-  // (unset: false, the measured-faster variant; ops/gdr_core_cuda.cc).
+  // (unset: true, the measured-faster variant; ops/gdr_core_cuda.cc).
   bool allow_tensor_cores = true;
 };
 
-// Whether the launchers run the tensor-core (3xTF32 mma.sync) variant of the kernels
-// (Note [Chunk prep on tensor cores] in kernels/gdr_chunk_prep_kernel.cuh) for these
+// Whether the backward launcher runs the tensor-core (3xTF32 mma.sync) variant of its
+// kernel (Note [Chunk prep on tensor cores] in kernels/gdr_chunk_prep_kernel.cuh) for these
 // shapes: a pure function of the shapes and the switch, so one shape always runs one
 // variant. dk in {64, 128} has one (C = 64 and dk split into whole m16n8k8 tiles); the
-// wide-head backward (dk = 256) is SIMT only, so dk = 256 runs SIMT both ways. The two
-// variants round differently (both FP32-level), so their bits differ; each is
-// deterministic on its own.
+// wide-head backward (dk = 256) is SIMT only, so dk = 256 runs SIMT both ways. The forward
+// is FP32 SIMT in every case. The two variants round differently (both FP32-level), so
+// their bits differ; each is deterministic on its own.
 inline bool chunk_prep_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
   (void)dv;  // the converted products contract over dk only
   return allow_tensor_cores && (dk == 64 || dk == 128);
@@ -223,8 +223,8 @@ struct ChunkPrepBackwardArgs {
 
 // Return a cudaError_t as int (cudaSuccess = 0). Callers check chunk_prep_supports first;
 // unsupported shapes (and a wide-head backward without scratch) return
-// cudaErrorInvalidValue without launching. The variant is
-// chunk_prep_uses_tensor_cores(dk, dv, shape.allow_tensor_cores).
+// cudaErrorInvalidValue without launching. The backward's variant is
+// chunk_prep_uses_tensor_cores(dk, dv, shape.allow_tensor_cores); the forward is SIMT.
 int launch_chunk_prep_forward(const ChunkPrepForwardArgs& args, CUstream_st* stream);
 int launch_chunk_prep_backward(const ChunkPrepBackwardArgs& args, CUstream_st* stream);
 

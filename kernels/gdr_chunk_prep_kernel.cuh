@@ -54,26 +54,24 @@
 // (shared memory holds scale * xn, and dividing by scale would add a rounding).
 //
 // Note [Chunk prep on tensor cores]
-// With TC (the template parameter of the bodies; the launchers pick it with
-// chunk_prep_uses_tensor_cores; off unless GDR_CHUNK_PREP_TC=1 in the op layer) the
-// Gram tiles K K^T and Q K^T (C x C outputs contracting over dk; forward and backward
-// phase 1) and the backward's dM = -dR X^T (phase 3: C x C contracting over dv + dk,
-// X = [U | W] streamed through the slab buffer) run as warp-level mma.sync m16n8k8 TF32
-// with the 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level
-// accuracy). Only the lower triangle is
-// used: of the 4 x 8 grid of 16 x 8 tiles per product, the 20 with column block
-// cb < 2 rb + 2 touch it, 40 tiles for both products; warp w takes tiles w, w + W, ..
-// of the block's W warps (forward: 8 warps, 5 tiles each; backward: 16 warps, warps 0-7
-// take 3 tiles and 8-15 take 2); each warp owns whole tiles and sums all of dk itself
-// in increasing k.
-// The fragments read K and Q straight from their shared rows (pitch dk + 4 = 4 mod 32:
-// A[r][k] = rows[16 rb + r][k] and B[k][n] = K[8 cb + n][k] both hit bank 4 g + t, so the
-// loads are conflict-free). In phase 3 warp w of 16 owns lower tiles w and w + 16 (< 20:
-// warps 0-3 two tiles, the others one) of dM and keeps their accumulators across the
-// slabs, c increasing. The tiles wholly above
-// the diagonal are not computed; the consumers get 0 there, as in the SIMT products.
-// Backward phase 6 (dK = (dKK + dKK^T) K + dQK^T Q, dQ = dQK K: three C x C by C x dk
-// products, ~3 MFLOP per block at dk = 128, the largest) is converted too (dkdq_tc):
+// With TC (the backward's template parameter; its launcher picks it with
+// chunk_prep_uses_tensor_cores, on unless GDR_CHUNK_PREP_TC=0 in the op layer) the
+// backward's two largest product phases run as warp-level mma.sync m16n8k8 TF32 with the
+// 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level accuracy):
+// dM = -dR X^T (phase 3: C x C contracting over dv + dk, X = [U | W] streamed through the
+// slab buffer) and phase 6 below. Per-phase clocks on the H200 (T = 16384, dk = dv = 128,
+// per chunk; docs/benchmarks.md, session 17): phase 3 31.3k -> 28.0k cycles, phase 6
+// 38.9k -> 32.1k, the chunk 146k -> 136k. The Gram tiles K K^T and Q K^T (phase 1 here and
+// in the forward) stay FP32 SIMT in both variants: on tensor cores they measured no faster
+// in the backward (17.0k against 16.8k cycles) and slower in the forward (1.99 against
+// 1.86 ms at T = 16384), and one SIMT version keeps the backward's recomputed M the
+// forward's bits. Only the lower triangle of dM is used: of the 4 x 8 grid of 16 x 8
+// tiles, the 20 with column block cb < 2 rb + 2 touch it; warp w of 16 owns lower tiles
+// w and w + 16 (< 20: warps 0-3 two tiles, the others one) and keeps their accumulators
+// across the slabs, c increasing. The tiles wholly above the diagonal are not computed;
+// the consumers get 0 there, as in the SIMT product.
+// Phase 6 (dK = (dKK + dKK^T) K + dQK^T Q, dQ = dQK K: three C x C by C x dk products,
+// ~3 MFLOP per block at dk = 128, the largest) runs in dkdq_tc:
 // warp w = 4 cg + rb owns rows 16 rb .. + 15 and, in each of dk / 64 column passes p,
 // the columns 64 p + 16 cg .. + 15 (two 16 x 8 tiles) of both dK and dQ: 4 Acc3, 48
 // accumulator floats (8 tiles x 12 at once would not fit 128 registers). Every dK element
@@ -91,9 +89,9 @@
 // epilogue runs unchanged: the row terms, the scale, the fused L2 norm's row dots (16
 // per-thread partials added in thread order) and the stores, with the same formulas and
 // order as the SIMT variant. So all phase-6 products are tensor-core products, with no
-// cross-warp reduction and no atomics. The other products (the triangular solves, the
-// row sums) are the FP32 SIMT code in both variants; the solves are sequential in the
-// row index and stay SIMT.
+// cross-warp reduction and no atomics. The other products (the Gram tiles, the triangular
+// solves, the row sums) are the FP32 SIMT code in both variants; the solves are
+// sequential in the row index and stay SIMT.
 #pragma once
 
 #include <type_traits>
@@ -623,49 +621,6 @@ __device__ __forceinline__ void dkdq_tc(const float* d1, const float* d2, const 
   __syncthreads();
 }
 
-// The tensor-core Gram tiles (Note [Chunk prep on tensor cores]): calls kk_out(i, j, x)
-// with x = (K K^T)_ij and qk_out(i, j, x) with x = (Q K^T)_ij once for every element of
-// the C x C products, 0 for the tiles wholly above the diagonal (x = 0 there, as the SIMT
-// tiles leave it). Every call comes from the one thread that owns the element; no barrier.
-// Warp w of the block's Threads / 32 takes tiles w, w + warps, ... of the 40.
-template <int Threads, typename KkOut, typename QkOut>
-__device__ __forceinline__ void gram_tiles_tc(const float* qs, int q_pitch, const float* ks,
-                                              int k_pitch, int dk, const KkOut& kk_out,
-                                              const QkOut& qk_out) {
-  using namespace mma_tf32;
-  constexpr int kWarps = Threads / 32;
-  static_assert(kC == 64 && Threads % 32 == 0, "whole warps, C = 64 in whole tiles");
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  for (int x = warp; x < 2 * kLowerTiles; x += kWarps) {
-    const bool is_qk = x >= kLowerTiles;
-    int rb, cb;
-    lower_tile(x % kLowerTiles, rb, cb);
-    const float* a_rows = (is_qk ? qs + (16 * rb + g) * q_pitch : ks + (16 * rb + g) * k_pitch) + t;
-    const int a_pitch = is_qk ? q_pitch : k_pitch;
-    const float* b_rows = ks + (8 * cb + g) * k_pitch + t;
-    Acc3 acc;
-    zero(acc);
-#pragma unroll 4
-    for (int k0 = 0; k0 < dk; k0 += 8) mma_tf32::mma_3xtf32_rows(acc, a_rows, a_pitch, b_rows, k0);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 16 * rb + g + 8 * (e / 2), j = 8 * cb + 2 * t + e % 2;
-      if (is_qk) {
-        qk_out(i, j, total(acc, e));
-      } else {
-        kk_out(i, j, total(acc, e));
-      }
-    }
-  }
-  for (int e = tid; e < kC * kC; e += Threads) {
-    const int i = e / kC, j = e % kC;
-    if (above_lower_tiles(i, j)) {
-      kk_out(i, j, 0.0f);
-      qk_out(i, j, 0.0f);
-    }
-  }
-}
-
 // Note [Register-resident substitution]
 // The triangular solves run one thread per column of the right-hand side, as before, but
 // the column lives in registers (x[C], every index a compile-time constant once the loops
@@ -794,7 +749,7 @@ __device__ __forceinline__ void back_substitute_blocked(const float* mt, float* 
 // solve either way: a second one made ptxas spill 134 bytes instead of 28).
 
 // Threads: kForwardThreads, or 512 where one block fills an SM (chunk_prep_forward_threads).
-template <typename TQK, typename TV, bool TC, int Threads = kForwardThreads>
+template <typename TQK, typename TV, int Threads = kForwardThreads>
 __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float* smem) {
   const ChunkPrepShape& s = args.shape;
   const int dk = s.dk, dv = s.dv, cols = dv + dk;
@@ -809,7 +764,6 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
   float* rk = rq + kC;
   float* vstage = rk + kC;  // C x dv BF16 (Note [Chunk prep BF16 value staging])
   constexpr int kThreads = Threads;
-  static_assert(!TC || Threads == kForwardThreads, "the tensor-core forward runs 256 threads");
   const int tid = threadIdx.x;
   const ChunkPlace place = chunk_place(s);
   const TV* v = static_cast<const TV*>(args.v);
@@ -856,9 +810,7 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
     ms[i * kC + j] = i > j ? bs[i] * (kk * decay(i, j)) : 0.0f;
   };
   auto p_out = [&](int i, int j, float qk) { p[i * kC + j] = qk * decay(i, j); };
-  if constexpr (TC) {
-    gram_tiles_tc<kThreads>(qs, kp, ks, kp, dk, m_out, p_out);
-  } else {
+  {
     using Map = TileMap<kThreads>;
     float kk[Map::kRows][Map::kCols], qk[Map::kRows][Map::kCols];
     gram_tiles<kThreads>(qs, kp, ks, kp, dk, kk, qk);
@@ -948,8 +900,8 @@ __device__ void chunk_prep_forward_block(const ChunkPrepForwardArgs& args, float
 // rs [C][dv+dk+4] [dU | dW] solved in place into dR = (I + M)^-T [dU | dW].
 // Phases, each ended by a barrier: 0 decays, Q, K (with the fused L2 norm, normalised
 // exactly as in the forward), then [dU | dW] issued into rs by cp.async (dk <= 128); 1
-// Gram tiles (32 x 16 threads, 2 x 4 elements each: Note [Chunk prep tile maps]; tensor
-// cores: 40 tiles over 16 warps) -> kl, M^T, pm, and the wait for rs; 2 back
+// Gram tiles (32 x 16 threads, 2 x 4 elements each: Note [Chunk prep tile maps]) -> kl,
+// M^T, pm, and the wait for rs; 2 back
 // substitution, one thread per column (dv + dk <= 464 columns, the other threads idle;
 // row i of dR is dX_i - sum_{j>i} M_ji dR_j, j descending: in place, 16 rows at a time in
 // registers, Note [Blocked back substitution]; dk = 256: the whole column in registers,
@@ -1048,9 +1000,7 @@ __device__ void chunk_prep_backward_block(const ChunkPrepBackwardArgs& args, flo
       d1[j * kC + i] = bs[i] * klv;  // M^T: M_ij = beta_i kl_ij
     };
     auto p_out = [&](int i, int j, float qk) { pm[i * mp + j] = qk * decay(i, j); };
-    if constexpr (TC) {
-      gram_tiles_tc<kThreads>(qs, kp, ks, kp, DK, kl_out, p_out);
-    } else {
+    {
       float kk[Map::kRows][Map::kCols], qk[Map::kRows][Map::kCols];
       gram_tiles<kThreads>(qs, kp, ks, kp, DK, kk, qk);
       const int ti = tid / Map::kColThreads, tj = tid % Map::kColThreads;

@@ -11,9 +11,9 @@
 // heads, H = Hk, 2 Hk, 4 Hk, read in place as slices of a conv-output row; FP32 or BF16
 // v): the op against the CPU FP64 reference op, the core with GdrQkNorm::kL2 through the
 // prep kernel against the ATen composite (normalise + repeat + steps 1-6) and FP64, and
-// 100 bit-exact replays under load. Both prep variants, FP32 SIMT (the default) and
-// tensor-core Gram and dM tiles (3xTF32, GDR_CHUNK_PREP_TC=1), against the same FP64 reference and
-// each other, and each replayed bit-exactly under load.
+// 100 bit-exact replays under load. Both prep variants, the backward's dM, dK and dQ
+// products on tensor cores (3xTF32, the default) and FP32 SIMT (GDR_CHUNK_PREP_TC=0),
+// against the same FP64 reference and each other, and each replayed bit-exactly under load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -253,8 +253,8 @@ TEST(ChunkPrepGpu, AnUnknownPrepKernelSettingIsRefusedNamingTheVariable) {
   const Inputs x = make_inputs(1, 100, 1, 128, 64, false, at::kFloat, 1);
   ScopedPrepVariant unknown("tc");
   EXPECT_EQ(test_support::error_of([&] { chunk_prep(x.q, x.k, x.v, x.g, x.beta, 1.0, 64); }),
-            "GDR_CHUNK_PREP_TC: expected 0 (the FP32 SIMT prep kernels, the default) or 1 (tensor "
-            "cores) but got 'tc'");
+            "GDR_CHUNK_PREP_TC: expected 0 (the FP32 SIMT prep kernels) or 1 (tensor cores, the "
+            "default) but got 'tc'");
 }
 
 // ---------------------------------------------------------------------------
