@@ -60,8 +60,8 @@
 // 3xTF32 split (Note [3xTF32 products] in kernels/mma_tf32.cuh: FP32-level accuracy):
 // dM = -dR X^T (phase 3: C x C contracting over dv + dk, X = [U | W] streamed through the
 // slab buffer) and phase 6 below. Per-phase clocks on the H200 (T = 16384, dk = dv = 128,
-// per chunk; docs/benchmarks.md, session 17): phase 3 31.3k -> 28.0k cycles, phase 6
-// 38.9k -> 32.1k, the chunk 146k -> 136k. The Gram tiles K K^T and Q K^T (phase 1 here and
+// per chunk; docs/benchmarks.md, session 17): phase 3 31.3k -> 27.5k cycles, phase 6
+// 38.9k -> 32.2k, the chunk 145-146k -> 137k. The Gram tiles K K^T and Q K^T (phase 1 here and
 // in the forward) stay FP32 SIMT in both variants: on tensor cores they measured no faster
 // in the backward (17.0k against 16.8k cycles) and slower in the forward (1.99 against
 // 1.86 ms at T = 16384), and one SIMT version keeps the backward's recomputed M the

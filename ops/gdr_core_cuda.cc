@@ -200,7 +200,7 @@ void check_prep_launch(int error, const char* what) {
 
 // GDR_CHUNK_PREP_TC: the chunk prep backward's dM and dK / dQ products
 // (chunk_prep_uses_tensor_cores in kernels/gdr_chunk_prep.h; Note [Chunk prep on tensor
-// cores]). Tensor cores by default: 7% fewer cycles per chunk than the FP32 SIMT products
+// cores]). Tensor cores by default: ~6% fewer cycles per chunk than the FP32 SIMT products
 // on the H200 (docs/benchmarks.md, session 17).
 bool prep_tensor_cores_allowed() {
   return tensor_cores_allowed_by("GDR_CHUNK_PREP_TC", true, "the FP32 SIMT prep kernels");
