@@ -164,7 +164,7 @@ struct ChunkPrepShape {
 // is FP32 SIMT in every case. The two variants round differently (both FP32-level), so
 // their bits differ; each is deterministic on its own.
 inline bool chunk_prep_uses_tensor_cores(int64_t dk, int64_t dv, bool allow_tensor_cores) {
-  (void)dv;  // the converted products contract over dk only
+  (void)dv;  // every supported dv (a multiple of 16) fills dM's k-steps of 8 whole
   return allow_tensor_cores && (dk == 64 || dk == 128);
 }
 
