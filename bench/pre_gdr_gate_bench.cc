@@ -7,7 +7,9 @@
 // and "graph" (kPerGraph calls captured in one CUDA graph and replayed: GPU time alone,
 // what a training step that keeps the GPU queue full sees). The eager ordered/atomic
 // ratio is paired (bench::median_paired_ratio), not a ratio of the two columns. Prints a
-// Markdown table; --tiles also prints every candidate tile's backward time in both modes.
+// Markdown table; --tiles also prints every candidate tile's backward time in both modes;
+// --roofline splits the backward into its traffic and its element math
+// (kernels/pre_gdr_gate_roofline.h), to judge the bandwidth target against the math.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +29,7 @@
 #include "bench/bench_flags.h"
 #include "bench/cuda_timing.h"
 #include "kernels/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate_roofline.h"
 #include "ops/autotune.h"
 #include "ops/determinism.h"
 #include "ops/pre_gdr_gate.h"
@@ -196,23 +199,92 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
   std::fflush(stdout);
 }
 
+// The roofline probes at one shape, graph-timed, next to the copy of the backward's bytes
+// and the backward itself in both modes. Heads must be a multiple of 4.
+void bench_roofline(const Shape& shape, at::ScalarType dtype) {
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor a = at::randn({shape.tokens, shape.heads}, cuda).to(dtype);
+  const at::Tensor b = at::randn({shape.tokens, shape.heads}, cuda).to(dtype);
+  const at::Tensor A_log = at::log(at::rand({shape.heads}, cuda) * 15.99 + 0.01);
+  const at::Tensor dt_bias = at::ones({shape.heads}, cuda);
+  const at::Tensor grad_g = at::randn({shape.tokens, shape.heads}, cuda);
+  const at::Tensor grad_beta = at::randn({shape.tokens, shape.heads}, cuda);
+  at::Tensor da = at::empty_like(a), db = at::empty_like(b);
+  int device = 0, multiprocessors = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  at::Tensor sink =
+      at::empty({kernels::gate_roofline_sink_floats(shape.heads, multiprocessors)}, cuda);
+  kernels::GateRooflineArgs args;
+  args.tokens = shape.tokens;
+  args.heads = shape.heads;
+  args.input_kind = dtype == at::kFloat  ? kernels::ScalarKind::kFloat32
+                    : dtype == at::kHalf ? kernels::ScalarKind::kFloat16
+                                         : kernels::ScalarKind::kBFloat16;
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.grad_g = grad_g.data_ptr<float>();
+  args.grad_beta = grad_beta.data_ptr<float>();
+  args.A_log = A_log.data_ptr<float>();
+  args.dt_bias = dt_bias.data_ptr<float>();
+  args.da = da.data_ptr();
+  args.db = db.data_ptr();
+  args.sink = sink.data_ptr<float>();
+  auto probe_us = [&](kernels::GateRooflineProbe probe) {
+    int status = 0;
+    const double ms = graph_ms([&] {
+      const int launched = kernels::launch_gate_roofline_probe(
+          args, probe, multiprocessors, c10::cuda::getCurrentCUDAStream().stream());
+      if (launched != 0) status = launched;
+    });
+    TORCH_CHECK(status == 0, "pre_gdr_gate_bench --roofline: probe launch failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(status)));
+    return ms * 1e3;
+  };
+  const double traffic = probe_us(kernels::GateRooflineProbe::kTraffic);
+  const double math = probe_us(kernels::GateRooflineProbe::kMath);
+  const double both = probe_us(kernels::GateRooflineProbe::kTrafficAndMath);
+  const int64_t in_bytes = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t bwd_bytes = shape.tokens * shape.heads * (4 * in_bytes + 2 * 4);
+  const double copy = graph_ms(bench::device_copy(bwd_bytes)) * 1e3;
+  auto backward = [&] { pre_gdr_gate_backward(grad_g, grad_beta, a, b, A_log, dt_bias); };
+  double atomic, ordered;
+  {
+    DeterministicModeGuard mode(false);
+    atomic = graph_ms(backward) * 1e3;
+  }
+  {
+    DeterministicModeGuard mode(true);
+    ordered = graph_ms(backward) * 1e3;
+  }
+  std::printf(
+      "roofline tokens=%lld heads=%lld %s graph_us: copy=%.2f traffic=%.2f math=%.2f "
+      "traffic+math=%.2f backward atomic=%.2f ordered=%.2f (ordered %.2f of copy)\n",
+      static_cast<long long>(shape.tokens), static_cast<long long>(shape.heads),
+      c10::toString(dtype), copy, traffic, math, both, atomic, ordered, copy / ordered);
+  std::fflush(stdout);
+}
+
 }  // namespace
 }  // namespace gdr
 
 int main(int argc, char** argv) {
   bool print_tiles = false;
   bool print_host = false;
+  bool print_roofline = false;
   std::vector<gdr::Shape> shapes = {{8192, 16}, {16384, 32}, {32768, 48}, {65536, 64}};
   std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kFloat};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: pre_gdr_gate_bench [--tiles] [--host] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
+          "usage: pre_gdr_gate_bench [--tiles] [--host] [--roofline] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
           "  --tiles   also time every candidate tile of the backward in both modes (each dtype)\n"
           "  --host    also print the host time per call of the forward and each backward\n"
+          "  --roofline  also time the backward's traffic alone, its element math alone and\n"
+          "            both (kernels/pre_gdr_gate_roofline.h); shapes with heads %% 4 == 0\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;
@@ -221,6 +293,8 @@ int main(int argc, char** argv) {
       print_tiles = true;
     } else if (arg == "--host") {
       print_host = true;
+    } else if (arg == "--roofline") {
+      print_roofline = true;
     } else if (arg.rfind("--shapes=", 0) == 0) {
       shapes.clear();
       std::stringstream list(arg.substr(9));
@@ -261,6 +335,14 @@ int main(int argc, char** argv) {
     std::printf("\n");
     for (const at::ScalarType dtype : dtypes) {
       for (const gdr::Shape& shape : shapes) gdr::bench_shape(shape, dtype, true, false);
+    }
+  }
+  if (print_roofline) {
+    std::printf("\n");
+    for (const at::ScalarType dtype : dtypes) {
+      for (const gdr::Shape& shape : shapes) {
+        if (shape.heads % 4 == 0) gdr::bench_roofline(shape, dtype);
+      }
     }
   }
   return 0;

@@ -21,6 +21,7 @@
 #include "kernels/pre_gdr_gate.h"
 #include "kernels/pre_gdr_gate_element.cuh"
 #include "kernels/pre_gdr_gate_math.h"
+#include "kernels/pre_gdr_gate_vec.cuh"
 
 namespace gdr::kernels {
 namespace {
@@ -201,41 +202,6 @@ __global__ void __launch_bounds__(kForwardThreads)
 // kernel.
 constexpr int kForwardVec = 4;
 
-template <typename In>
-struct InVec;  // kForwardVec elements of In, loaded as one aligned vector
-template <>
-struct InVec<float> {
-  using Raw = float4;
-  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
-    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
-  }
-};
-template <>
-struct InVec<__nv_bfloat16> {
-  using Raw = uint2;
-  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
-    // Exact widening, the same bits as __bfloat162float on each element.
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-  }
-};
-template <>
-struct InVec<__half> {
-  using Raw = uint2;
-  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[4]) {
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&r.x));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&r.y));
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-  }
-};
-
-template <typename In>
-__device__ __forceinline__ void load_vec(const In* p, float (&v)[4]) {
-  using Raw = typename InVec<In>::Raw;
-  InVec<In>::unpack(__ldg(reinterpret_cast<const Raw*>(p)), v);
-}
-
 template <typename In, typename Param, int kItems>
 __global__ void __launch_bounds__(kForwardThreads)
     gate_forward_vec_kernel(GateForwardArgs args, int32_t total, int32_t lanes, int32_t row_group) {
@@ -317,28 +283,6 @@ constexpr int kBackwardVec = kGateVirtualRowsPerRow;
 constexpr int kBackwardVecBatch = 1;
 static_assert(kBackwardVec == kForwardVec, "the backward reuses the forward's vector loads");
 static_assert(kBackwardVec == 4, "the vectorised pass computes with gate_backward_elements4");
-
-// kBackwardVec floats stored as one aligned vector of the output type, each rounded as
-// store_from_float rounds it (round to nearest even).
-__device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float (&v)[4]) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
-  const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
-  uint2 raw;
-  raw.x = *reinterpret_cast<const uint32_t*>(&lo);
-  raw.y = *reinterpret_cast<const uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-__device__ __forceinline__ void store_vec(__half* p, const float (&v)[4]) {
-  const __half2 lo = __floats2half2_rn(v[0], v[1]);
-  const __half2 hi = __floats2half2_rn(v[2], v[3]);
-  uint2 raw;
-  raw.x = *reinterpret_cast<const uint32_t*>(&lo);
-  raw.y = *reinterpret_cast<const uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
 
 // Scalar element pass (any strides, any head count): fills row_sums ([2][R][block_h]) in
 // the order of Note [Gate backward virtual rows].
