@@ -1,4 +1,4 @@
-// Benchmark of the causal attention op (ops/attention.h) at the 0.8B model's attention
+// Benchmark of the causal attention op (ops/attention/attention_op.h) at the 0.8B model's attention
 // (B = 1, 8 query heads over 2 key heads, head_dim 256, BF16) and longer sequences: the
 // cuDNN op with its deterministic and its default backward against ATen's
 // scaled_dot_product_attention with deterministic algorithms on (FlashAttention 2 with
@@ -11,13 +11,15 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
+#include <optional>
 #include <cstdlib>
 #include <functional>
 #include <string>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
-#include "ops/attention.h"
-#include "ops/determinism.h"
+#include "ops/attention/attention_op.h"
+#include "ops/policy/determinism.h"
 
 namespace gdr {
 namespace {
@@ -47,11 +49,9 @@ void bench_shape(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D) {
                       {"ATen SDPA, default", false, false}};
   double reference_fb = 0;
   for (const Arm& arm : arms) {
-    if (arm.cudnn) {
-      unsetenv("GDR_ATTENTION");
-    } else {
-      setenv("GDR_ATTENTION", "aten", 1);
-    }
+    ExecutionPolicy arm_policy = current_execution_policy();
+    arm_policy.attention = arm.cudnn ? AttentionBackend::kCudnn : AttentionBackend::kAten;
+    const ExecutionPolicyGuard policy(arm_policy);
     at::globalContext().setDeterministicAlgorithms(arm.deterministic, /*warn_only=*/false);
     const DeterministicModeGuard mode(arm.deterministic);
     auto forward = [&] { causal_attention(q, k, v, scale); };
@@ -71,7 +71,6 @@ void bench_shape(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D) {
                 forward_flop / (fwd * 1e-3) / 1e12, 3.5 * forward_flop / (fb * 1e-3) / 1e12,
                 fb / reference_fb);
   }
-  unsetenv("GDR_ATTENTION");
   at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
@@ -79,6 +78,9 @@ void bench_shape(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("attention_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   for (int i = 1; i < argc; ++i) {
     std::fprintf(stderr, "attention_bench takes no arguments, got '%s'\n", argv[i]);
     return 2;

@@ -19,13 +19,15 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
+#include <optional>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
-#include "ops/cross_entropy.h"
+#include "ops/cross_entropy/cross_entropy_op.h"
 
 namespace gdr {
 namespace {
@@ -123,6 +125,9 @@ void bench_shape(const Shape& s, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("cross_entropy_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<gdr::Shape> shapes = {{1, 2048, 248320}, {4, 2048, 248320}};
   at::ScalarType dtype = at::kBFloat16;
   for (int i = 1; i < argc; ++i) {

@@ -1,4 +1,4 @@
-// Benchmark of the fused gated activations (ops/gated_activation.h) on one GPU at the 0.8B
+// Benchmark of the fused gated activations (ops/gated_activation/gated_activation_op.h) on one GPU at the 0.8B
 // model's shapes: silu(gate) * x for the MLP ([1, 2048, 3584]) and x * sigmoid(gate) for
 // gated attention ([1, 2048, 2048], the gate split off q_proj's output as in the model),
 // fused against the ATen composite (the model's path before the op), with a device copy of
@@ -12,12 +12,14 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
+#include <optional>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
-#include "ops/gated_activation.h"
+#include "ops/gated_activation/gated_activation_op.h"
 
 namespace gdr {
 namespace {
@@ -88,6 +90,9 @@ void bench_case(GatedActivationKind kind, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("gated_activation_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<at::ScalarType> dtypes = {at::kBFloat16};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];

@@ -1,16 +1,14 @@
 // Benchmark of the chunked gated delta rule core on one GPU with step 7 (the inter-chunk
-// state pass) as the CUDA scan kernel (GDR_CORE_IMPL=kernel) against the per-chunk ATen
+// state pass) as the CUDA scan kernel (gdr_core_impl kernel) against the per-chunk ATen
 // loop (composite), the scan on tensor cores ("kernel (tc ...)", the default) and on the FP32
-// SIMT kernel ("kernel (simt ...)", GDR_CHUNK_SCAN_TC=0, set per arm in this process), the
-// state pass's batched products on the 3xTF32 tensor-core GEMM ("... gemm tc)", the
-// default) and on cuBLAS FP32 ("... cublas)", GDR_CHUNK_GEMM_TC=0, set per arm), the
-// backward's dQd / dP GEMMs beside the scan (the default) and after it ("..., in line)",
-// GDR_CHUNK_GEMM_OVERLAP=0, set per arm), and
-// steps 1-6 as the chunk prep kernels (GDR_CORE_PREP=kernel, set
-// through set_gdr_core_prep; the backward's dM, dK and dQ products on tensor cores, the
-// default, and all FP32 SIMT, "kernel (simt)", GDR_CHUNK_PREP_TC=0, set per arm in this
-// process) against the ATen ops
-// (aten): forward (autograd recording, as
+// SIMT kernel ("kernel (simt ...)", chunk_scan_tensor_cores false), the state pass's batched
+// products on the 3xTF32 tensor-core GEMM ("... gemm tc)", the default) and on cuBLAS FP32
+// ("... cublas)", chunk_gemm_tensor_cores false), the backward's dQd / dP GEMMs beside the
+// scan (the default) and after it ("..., in line)", chunk_gemm_overlap false), and steps 1-6
+// as the chunk prep kernels (gdr_core_prep kernel; the backward's dM, dK and dQ products on
+// tensor cores, the default, and all FP32 SIMT, "kernel (simt)", chunk_prep_tensor_cores
+// false) against the ATen ops (aten); each arm is an execution policy set for its timings
+// (ops/policy/execution_policy.h): forward (autograd recording, as
 // in training) and forward+backward through autograd. Inputs: BF16 (default) or FP32
 // q/k/v (--dtype=fp32), q and k L2-normalised beforehand, FP32 g and beta; or
 // --dtype=model, what the model hands the core: raw (unnormalised) BF16 q, k with
@@ -41,19 +39,25 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
 #include "bench/kernel_profile.h"
-#include "kernels/gdr_chunk_gemm.h"
-#include "kernels/gdr_chunk_prep.h"
-#include "kernels/gdr_chunk_state.h"
-#include "ops/gdr_chunk_state.h"
-#include "ops/gdr_core.h"
+#include "kernels/gdr_core/chunk_gemm.h"
+#include "kernels/gdr_core/chunk_prep.h"
+#include "kernels/gdr_core/chunk_state.h"
+#include "ops/gdr_core/chunk_state_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 namespace gdr {
 namespace {
 
 constexpr int kWarmup = 5;
 constexpr int kRepeats = 21;
+
+const char* name_of(GdrCoreImpl impl) {
+  return impl == GdrCoreImpl::kKernel ? "kernel" : "composite";
+}
+const char* name_of(GdrCorePrep prep) { return prep == GdrCorePrep::kKernel ? "kernel" : "aten"; }
 
 double median_ms(const std::function<void()>& fn) {
   return bench::median_event_ms(fn, kWarmup, kRepeats);
@@ -112,14 +116,14 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     torch::autograd::grad({o}, leaves, {grad_o});
   };
 
-  // Arms: step 7 and steps 1-6 ("prep", GDR_CORE_PREP) each as kernel or ATen, the step 7
-  // kernel on tensor cores (3xTF32, the default) and, GDR_CHUNK_SCAN_TC=0, on the FP32
-  // SIMT kernel, its batched products on the tensor-core GEMM (3xTF32, the default) and,
-  // GDR_CHUNK_GEMM_TC=0, on cuBLAS FP32; the prep backward's dM, dK and dQ products on
-  // tensor cores (the default) and, GDR_CHUNK_PREP_TC=0, FP32 SIMT; the backward's dQd / dP GEMMs
-  // beside the scan on a side stream (the default) and, GDR_CHUNK_GEMM_OVERLAP=0, in line;
-  // the first arm is the default configuration, the last (all ATen) the baseline of the
-  // "vs composite" columns.
+  // Arms (execution policies over the process's own): step 7 (gdr_core_impl) and steps 1-6
+  // (gdr_core_prep) each as kernel or ATen, the step 7 kernel on tensor cores (3xTF32, the
+  // default) or the FP32 SIMT kernel (chunk_scan_tensor_cores), its batched products on the
+  // tensor-core GEMM (3xTF32, the default) or cuBLAS FP32 (chunk_gemm_tensor_cores); the prep
+  // backward's dM, dK and dQ products on tensor cores (the default) or FP32 SIMT
+  // (chunk_prep_tensor_cores); the backward's dQd / dP GEMMs beside the scan on a side stream
+  // (the default) or in line (chunk_gemm_overlap); the first arm is the default
+  // configuration, the last (all ATen) the baseline of the "vs composite" columns.
   struct Arm {
     GdrCoreImpl impl;
     GdrCorePrep prep;
@@ -136,30 +140,27 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
                            {GdrCoreImpl::kKernel, GdrCorePrep::kKernel, false},
                            {GdrCoreImpl::kKernel, GdrCorePrep::kAten, true},
                            {GdrCoreImpl::kComposite, GdrCorePrep::kAten, true}};
-  // The switches each arm sets, restored after the arms.
-  constexpr const char* kSwitches[] = {"GDR_CHUNK_SCAN_TC", "GDR_CHUNK_PREP_TC",
-                                       "GDR_CHUNK_GEMM_TC", "GDR_CHUNK_GEMM_OVERLAP"};
-  std::vector<std::optional<std::string>> saved_switches;
-  for (const char* name : kSwitches) {
-    const char* value = std::getenv(name);
-    saved_switches.push_back(value ? std::optional<std::string>(value) : std::nullopt);
-  }
   // The tensor-core prep exists for dk <= 128 only (kernels::chunk_prep_uses_tensor_cores):
   // elsewhere the default arms run the SIMT prep and the SIMT arm would time it again, so
   // it is left out.
   const bool prep_has_tc = kernels::chunk_prep_uses_tensor_cores(dk, dv, true);
+  auto arm_policy_of = [](const Arm& arm) {
+    ExecutionPolicy policy = current_execution_policy();
+    policy.gdr_core_impl = arm.impl;
+    policy.gdr_core_prep = arm.prep;
+    policy.chunk_scan_tensor_cores = arm.scan_tc;
+    policy.chunk_prep_tensor_cores = arm.prep_tc;
+    policy.chunk_gemm_tensor_cores = arm.gemm_tc;
+    policy.chunk_gemm_overlap = arm.gemm_overlap;
+    return policy;
+  };
   auto skipped = [&](const Arm& arm) {
     return arm.prep == GdrCorePrep::kKernel && !arm.prep_tc && !prep_has_tc;
   };
   Timings t[kArms];
   for (int i = 0; i < kArms; ++i) {
     if (skipped(arms[i])) continue;
-    set_gdr_core_impl(arms[i].impl);
-    set_gdr_core_prep(arms[i].prep);
-    setenv("GDR_CHUNK_SCAN_TC", arms[i].scan_tc ? "1" : "0", 1);
-    setenv("GDR_CHUNK_PREP_TC", arms[i].prep_tc ? "1" : "0", 1);
-    setenv("GDR_CHUNK_GEMM_TC", arms[i].gemm_tc ? "1" : "0", 1);
-    setenv("GDR_CHUNK_GEMM_OVERLAP", arms[i].gemm_overlap ? "1" : "0", 1);
+    const ExecutionPolicyGuard arm_policy(arm_policy_of(arms[i]));
     const int64_t gemm_launches = kernels::chunk_gemm_launch_count();
     const int64_t side_runs = chunk_state_internal::backward_side_stream_runs();
     forward_backward();
@@ -172,8 +173,8 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     }
     if (gdr_core_last_step7() != arms[i].impl || gdr_core_last_prep() != arms[i].prep) {
       std::fprintf(stderr, "gdr_core_bench: ran step 7 %s / prep %s, expected %s / %s\n",
-                   to_string(gdr_core_last_step7()), to_string(gdr_core_last_prep()),
-                   to_string(arms[i].impl), to_string(arms[i].prep));
+                   name_of(gdr_core_last_step7()), name_of(gdr_core_last_prep()),
+                   name_of(arms[i].impl), name_of(arms[i].prep));
     }
     if (arms[i].impl == GdrCoreImpl::kKernel &&
         kernels::chunk_state_scan_last_used_tensor_cores() != arms[i].scan_tc) {
@@ -197,15 +198,6 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
     t[i].forward_ms = median_ms(forward);
     t[i].forward_backward_ms = median_ms(forward_backward);
   }
-  set_gdr_core_impl(std::nullopt);
-  set_gdr_core_prep(std::nullopt);
-  for (size_t s = 0; s < saved_switches.size(); ++s) {
-    if (saved_switches[s].has_value()) {
-      setenv(kSwitches[s], saved_switches[s]->c_str(), 1);
-    } else {
-      unsetenv(kSwitches[s]);
-    }
-  }
 
   const double f = forward_flops(B, T, H, dk, dv);
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
@@ -213,14 +205,14 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   for (int i = 0; i < kArms; ++i) {
     if (skipped(arms[i])) continue;
     const std::string step7 =
-        std::string(to_string(arms[i].impl)) +
+        std::string(name_of(arms[i].impl)) +
         (arms[i].impl != GdrCoreImpl::kKernel
              ? ""
              : std::string(arms[i].scan_tc ? " (tc" : " (simt") +
                    (arms[i].gemm_tc ? ", gemm tc" : ", cublas") +
                    (arms[i].gemm_tc && !arms[i].gemm_overlap ? ", in line)" : ")"));
     const std::string prep =
-        std::string(to_string(arms[i].prep)) +
+        std::string(name_of(arms[i].prep)) +
         (arms[i].prep == GdrCorePrep::kKernel && !arms[i].prep_tc ? " (simt)" : "");
     std::printf(
         "| %lld | %lld | %lld/%lld | %s | %s | %.3f | %.2fx | %.2f | %.3f | %.2fx | %.2f |\n",
@@ -232,12 +224,9 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
   }
   if (profile) {
     // The default arm (kernel scan and prep, tensor cores), forward+backward.
-    set_gdr_core_impl(arms[0].impl);
-    set_gdr_core_prep(arms[0].prep);
+    const ExecutionPolicyGuard arm_policy(arm_policy_of(arms[0]));
     bench::print_kernel_profile("forward+backward, T = " + std::to_string(T) + ", default arm",
                                 forward_backward, {.top_kernels = 20});
-    set_gdr_core_impl(std::nullopt);
-    set_gdr_core_prep(std::nullopt);
   }
   std::fflush(stdout);
 }
@@ -246,6 +235,9 @@ void bench_length(int64_t T, int64_t H, int64_t Hk, int64_t dk, int64_t dv, Inpu
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("gdr_core_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<int64_t> lengths = {2048, 16384};
   int64_t heads = 16, key_heads = 0, dk = 128, dv = 128;
   gdr::Inputs inputs = gdr::Inputs::kBf16;

@@ -1,4 +1,4 @@
-// Benchmark of the linear group op (ops/linear_group.h) on one GPU at the 0.8B model's
+// Benchmark of the linear group op (ops/linear_group/linear_group_op.h) on one GPU at the 0.8B model's
 // groups (x [1, 2048, 1024] BF16; GDN in_proj_qkv / z / b / a, attention q / k / v, MLP
 // gate / up): forward+backward through autograd, the group against the composite (one
 // at::linear per weight; autograd adds the input gradients with one add kernel per extra
@@ -11,12 +11,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
-#include "ops/linear_group.h"
+#include "ops/linear_group/linear_group_op.h"
 
 namespace gdr {
 namespace {
@@ -65,6 +67,9 @@ void bench_group(const char* name, const std::vector<int64_t>& outs) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("linear_group_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help") {

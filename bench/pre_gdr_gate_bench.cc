@@ -9,7 +9,7 @@
 // ratio is paired (bench::median_paired_ratio), not a ratio of the two columns. Prints a
 // Markdown table; --tiles also prints every candidate tile's backward time in both modes;
 // --roofline splits the backward into its traffic and its element math
-// (kernels/pre_gdr_gate_roofline.h), to judge the bandwidth target against the math.
+// (kernels/pre_gdr_gate/pre_gdr_gate_roofline.h), to judge the bandwidth target against the math.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -20,19 +20,21 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/bench_flags.h"
 #include "bench/cuda_timing.h"
-#include "kernels/pre_gdr_gate.h"
-#include "kernels/pre_gdr_gate_roofline.h"
-#include "ops/autotune.h"
-#include "ops/determinism.h"
-#include "ops/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate_roofline.h"
+#include "ops/autotune/autotune.h"
+#include "ops/policy/determinism.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 
 namespace gdr {
 namespace {
@@ -61,6 +63,13 @@ Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph
 struct Shape {
   int64_t tokens, heads;
 };
+
+// The current policy with the gate's ordered reduction forced to `variant`.
+ExecutionPolicy with_ordered(GateOrderedVariant variant) {
+  ExecutionPolicy policy = current_execution_policy();
+  policy.gate_ordered = variant;
+  return policy;
+}
 
 void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, bool print_host) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
@@ -94,9 +103,8 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
     if (pre_gdr_gate_last_backward().reduction == kernels::GateReduction::kOrderedSinglePass) {
       ordered_tile += " single-pass";
     }
-    set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+    const ExecutionPolicyGuard single_pass(with_ordered(GateOrderedVariant::kSinglePass));
     bwd_single_pass = time_both(backward);
-    set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
   }
   // Eager ordered/atomic paired (bench::median_paired_ratio), not a ratio of the columns.
   const double eager_ratio = bench::median_paired_ratio(
@@ -163,11 +171,12 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
     }
     {
       DeterministicModeGuard mode(true);
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kTwoPass);
-      two_pass_us = host_us(backward);
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+      {
+        const ExecutionPolicyGuard two_pass(with_ordered(GateOrderedVariant::kTwoPass));
+        two_pass_us = host_us(backward);
+      }
+      const ExecutionPolicyGuard single_pass(with_ordered(GateOrderedVariant::kSinglePass));
       single_pass_us = host_us(backward);
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
     }
     std::printf(
         "host us/call tokens=%lld heads=%lld %s: forward %.2f, backward atomic %.2f, "
@@ -179,7 +188,9 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
   if (!print_tiles) return;
   const kernels::GateShape gshape{1, shape.tokens, shape.heads};
   for (const kernels::GateTile& tile : kernels::pre_gdr_gate_candidate_tiles()) {
-    set_pre_gdr_gate_tile_override(tile);
+    ExecutionPolicy fixed_tile = current_execution_policy();
+    fixed_tile.gate_tile = tile;
+    const ExecutionPolicyGuard tile_policy(fixed_tile);
     double t_atomic, t_ordered;
     {
       DeterministicModeGuard mode(false);
@@ -195,7 +206,6 @@ void bench_shape(const Shape& shape, at::ScalarType dtype, bool print_tiles, boo
         static_cast<long long>(shape.heads), c10::toString(dtype), t_atomic * 1e3, t_ordered * 1e3,
         kernels::gate_tile_static_cost(tile, gshape, static_cast<int>(c10::elementSize(dtype))));
   }
-  set_pre_gdr_gate_tile_override(std::nullopt);
   std::fflush(stdout);
 }
 
@@ -269,6 +279,9 @@ void bench_roofline(const Shape& shape, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("pre_gdr_gate_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   bool print_tiles = false;
   bool print_host = false;
   bool print_roofline = false;
@@ -284,7 +297,7 @@ int main(int argc, char** argv) {
           "  --tiles   also time every candidate tile of the backward in both modes (each dtype)\n"
           "  --host    also print the host time per call of the forward and each backward\n"
           "  --roofline  also time the backward's traffic alone, its element math alone and\n"
-          "            both (kernels/pre_gdr_gate_roofline.h); shapes with heads %% 4 == 0\n"
+          "            both (kernels/pre_gdr_gate/pre_gdr_gate_roofline.h); shapes with heads %% 4 == 0\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;

@@ -6,18 +6,20 @@
 //   qwen_step_bench [--arms=none,gate,gate+det,full]
 // An arm is a pre_gdr_fusion level, "+det" runs it with deterministic algorithms on (the
 // trainer's deterministic_mode; uninitialized-memory fill off as in
-// models/qwen/deterministic_mode.cc). GDR_CORE_IMPL (ops/gdr_core.h) picks the GDR core.
+// ops/policy/determinism.cc). GDR_CORE_IMPL (ops/gdr_core/gdr_core_op.h) picks the GDR core.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/kernel_profile.h"
 #include "models/qwen/config.h"
 #include "models/qwen/model.h"
@@ -70,6 +72,9 @@ void set_deterministic(bool on) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("qwen_step_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::string arms_arg = "none,gate,gate+det";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];

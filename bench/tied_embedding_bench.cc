@@ -1,4 +1,4 @@
-// Benchmark of the tied embedding's weight gradient (ops/tied_embedding.h) on one GPU at
+// Benchmark of the tied embedding's weight gradient (ops/tied_embedding/tied_embedding_op.h) on one GPU at
 // the 0.8B model's shapes (W [248320, 1024], N tokens of Zipf-like ids): the tail that
 // Note [Tied embedding gradient] replaces, i.e. the composite's dense embedding gradient
 // (at::embedding_dense_backward: zero fill + scatter) plus the [V, H] add into the LM
@@ -13,12 +13,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
-#include "ops/tied_embedding.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 
 namespace gdr {
 namespace {
@@ -93,6 +95,9 @@ void bench_case(int64_t tokens, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
+  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("tied_embedding_bench");
+  if (!policy.has_value()) return 2;
+  const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<at::ScalarType> dtypes = {at::kBFloat16};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];

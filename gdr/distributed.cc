@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gdr/distributed_backend.h"
-#include "ops/tree_sum.h"
+#include "ops/tree_sum/tree_sum_op.h"
 
 // Note [Gloo without gloo headers]: libtorch_cpu.so contains c10d's ProcessGroupGloo, but
 // the libtorch distribution ships no gloo/ headers, which ProcessGroupGloo.hpp includes. We
@@ -253,7 +253,7 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::strin
 // to kDeferredLeaves - 1 of them, in their own dtype: half the bytes of FP32 for BF16) and
 // evaluates the binary-counter tree over the FP32 partial sums, the deferred leaves and
 // the last leaf in one pass per tensor
-// (pairwise_tree_sum_out, ops/tree_sum.h): each input read once, the sum written once. A
+// (pairwise_tree_sum_out, ops/tree_sum/tree_sum_op.h): each input read once, the sum written once. A
 // full group of kDeferredLeaves leaves (a power of two, and always starting at a multiple
 // of it, so a complete subtree that the counter merges into one node before anything
 // else touches it) is summed into one FP32 partial sum, which bounds the leaves kept.

@@ -14,6 +14,7 @@
 #include <map>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
@@ -22,7 +23,7 @@
 namespace gdr {
 namespace {
 
-constexpr const char* kSections[] = {"model", "data", "optimizer", "schedule", "train"};
+constexpr const char* kSections[] = {"model", "data", "optimizer", "schedule", "train", "kernels"};
 
 absl::Status key_error(const std::string& file, absl::string_view key, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(file, ": ", key, ": ", problem));
@@ -118,8 +119,22 @@ Field choice_field(const char* section, const char* name, std::vector<std::strin
           [names, index](RunConfig& c) { return names[index(c)]; }};
 }
 
+// A choice of the execution policy's `kernels:` section, parsed and shown by the policy.
+Field kernel_field(const std::string& key) {
+  return {"kernels", key,
+          [key](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {
+            if (!is_plain_yaml_scalar(n)) {
+              return key_error(f, k,
+                               absl::StrCat("expected a scalar but got ", describe_yaml_node(n)));
+            }
+            return set_execution_policy_value(c.kernels, key, n.Scalar(), absl::StrCat(f, ": ", k));
+          },
+          [key](RunConfig& c) { return execution_policy_value(c.kernels, key); }};
+}
+
 const std::vector<Field>& run_fields() {
-  static const auto* fields = new std::vector<Field>{
+  static const std::vector<Field>* const fields = [] {
+  auto* all = new std::vector<Field>{
       choice_field(
           "data", "source", {"embedded", "indexed"},
           [](RunConfig& c, size_t i) {
@@ -206,6 +221,11 @@ const std::vector<Field>& run_fields() {
           [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
           [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
   };
+  for (const ExecutionPolicyKey& key : execution_policy_keys()) {
+    if (absl::StartsWith(key.config_key, "kernels.")) all->push_back(kernel_field(key.key));
+  }
+  return all;
+  }();
   return *fields;
 }
 
@@ -393,7 +413,34 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
   absl::StatusOr<QwenConfig> model = load_model_section(path, root, model_overridden);
   if (!model.ok()) return model.status();
   config.model = *model;
+  // The rules between choices (Note [Execution policy]), as the file sets them; the
+  // environment is applied and checked again at start-up (execution_policy_for_run).
+  if (absl::Status s = validate_execution_policy(file_execution_policy(config)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  }
   return config;
+}
+
+ExecutionPolicy file_execution_policy(const RunConfig& config) {
+  ExecutionPolicy policy = config.kernels;
+  policy.deterministic = config.model.deterministic_mode;
+  policy.pre_gdr_fusion = config.model.pre_gdr_fusion;
+  policy.cuda_graphs = config.train.cuda_graphs;
+  return policy;
+}
+
+absl::StatusOr<ExecutionPolicy> execution_policy_for_run(const RunConfig& config,
+                                                         EnvironmentReader get,
+                                                         std::vector<std::string>* from_environment) {
+  ExecutionPolicy policy = file_execution_policy(config);
+  if (absl::Status s = apply_environment_overrides(policy, std::move(get), from_environment);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = validate_execution_policy(policy); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(config.source, " with the environment: ", s.message()));
+  }
+  return policy;
 }
 
 }  // namespace gdr

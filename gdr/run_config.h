@@ -18,6 +18,9 @@
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
 //               overlap_grad_reduction: true | false (sum / reduce during the last backward)
 //               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
+//   kernels:    the execution policy's kernel choices, one key each (rms_norm: composite,
+//               attention: aten, pre_gdr_gate_tile: 128x16x256, ...; execution_policy_keys()
+//               in ops/policy/execution_policy.h, and README's switch table)
 // Every section is optional except `model:`; a missing key keeps its default below.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message is
@@ -37,6 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "models/qwen/config.h"
+#include "ops/policy/execution_policy.h"
 
 namespace gdr {
 
@@ -53,7 +57,7 @@ struct DataConfig {
   int64_t micro_batch_size = 4;
 };
 
-// How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw.h: gradient
+// How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h: gradient
 // clip, AdamW and the BF16 parameter store in one multi-tensor pass on CUDA, with the bits
 // of ATen's _foreach_mul_ + _fused_adamw_ (what torch.optim.AdamW(fused=True) runs) +
 // _foreach_copy_), kLoop is libtorch's torch::optim::AdamW::step() (several ATen ops per
@@ -107,6 +111,9 @@ struct RunConfig {
   OptimizerConfig optimizer;
   ScheduleConfig schedule;
   TrainConfig train;
+  // The `kernels:` section's choices (the other fields keep their defaults here; see
+  // file_execution_policy).
+  ExecutionPolicy kernels;
   std::string source;       // the file it came from
   std::string config_text;  // the effective YAML (overrides applied), kept in checkpoints
 
@@ -129,6 +136,20 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
                                           const std::vector<ConfigOverride>& overrides = {});
 
 absl::string_view train_dtype_name(TrainDtype dtype);
+
+// The execution policy the file asks for: the `kernels:` section plus
+// model.deterministic_mode, model.pre_gdr_fusion and train.cuda_graphs. load_run_config
+// already refused one that validate_execution_policy refuses.
+ExecutionPolicy file_execution_policy(const RunConfig& config);
+
+// The run's execution policy (Note [Execution policy]): file_execution_policy with the GDR_*
+// environment variables applied over it (`get`: the process environment by default; the
+// keys they changed go to `from_environment` when given), then validated. Errors name the
+// variable ("GDR_RMS_NORM: expected fused or composite, but got 'x'") or, for a rule
+// between choices, the config file.
+absl::StatusOr<ExecutionPolicy> execution_policy_for_run(
+    const RunConfig& config, EnvironmentReader get = nullptr,
+    std::vector<std::string>* from_environment = nullptr);
 
 // The dotted keys whose values differ between the config a checkpoint was written with
 // (`saved_config_text`, RunConfig::config_text of that run; `saved_source` names it in

@@ -22,11 +22,11 @@
 #include "gdr/distributed.h"
 #include "gdr/sha256.h"
 #include "io/file_util.h"
-#include "models/qwen/deterministic_mode.h"
+#include "ops/policy/determinism.h"
 #include "models/qwen/model.h"
-#include "ops/attention.h"
-#include "ops/fused_adamw.h"
-#include "ops/gdr_core.h"
+#include "ops/attention/attention_op.h"
+#include "ops/fused_adamw/fused_adamw_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 namespace gdr {
 namespace {
@@ -331,7 +331,7 @@ struct Trainer::Impl {
   }
 
   // Note [Fused AdamW]: the optimizer tail of a step in one multi-tensor kernel family,
-  // gdr::fused_adamw_step_ (ops/fused_adamw.h): per element, the gradient clip (grad *=
+  // gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h): per element, the gradient clip (grad *=
   // grad_coef, written back so last_grads holds the clipped gradients), the AdamW update of
   // the FP32 master and its moments, and, in mixed precision, the store of the new master
   // rounded to BF16 into the model's parameter. On CUDA that is one launch (the step is

@@ -131,21 +131,6 @@ absl::Status read_fusion(const YAML::Node& node, absl::string_view key, const So
   return absl::OkStatus();
 }
 
-// A string key limited to `allowed` (an empty value is not allowed either: omit the key).
-absl::Status read_choice(const YAML::Node& node, absl::string_view key, const Source& source,
-                         const std::vector<std::string>& allowed, std::string* out) {
-  std::string text;
-  if (absl::Status s = read_string(node, key, source, &text); !s.ok()) return s;
-  for (const std::string& a : allowed) {
-    if (text == a) {
-      *out = text;
-      return absl::OkStatus();
-    }
-  }
-  return source.error(
-      key, absl::StrCat("expected one of ", absl::StrJoin(allowed, ", "), " but got '", text, "'"));
-}
-
 using Setter =
     std::function<absl::Status(const YAML::Node&, absl::string_view, const Source&, QwenConfig&)>;
 struct Field {
@@ -167,6 +152,15 @@ Setter double_field(double QwenConfig::*member) {
 Setter bool_field(bool QwenConfig::*member) {
   return [member](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
     return read_bool(n, k, s, &(c.*member));
+  };
+}
+
+// A key that used to select a kernel here: an error pointing at its new place.
+Setter moved_to_kernels(const char* policy_key) {
+  return [policy_key](const YAML::Node&, absl::string_view k, const Source& s, QwenConfig&) {
+    return s.error(k, absl::StrCat("kernel choices moved to the run config's kernels: section; "
+                                   "set kernels.",
+                                   policy_key, " instead"));
   };
 }
 
@@ -204,18 +198,10 @@ const std::vector<Field>& model_fields() {
          return read_fusion(n, k, s, &c.pre_gdr_fusion);
        }},
       {"deterministic_mode", false, bool_field(&QwenConfig::deterministic_mode)},
-      {"gdr_core_impl", false,
-       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
-         return read_choice(n, k, s, {"kernel", "composite"}, &c.gdr_core_impl);
-       }},
-      {"gdr_core_prep", false,
-       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
-         return read_choice(n, k, s, {"kernel", "aten"}, &c.gdr_core_prep);
-       }},
-      {"attention_impl", false,
-       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
-         return read_choice(n, k, s, {"cudnn", "aten"}, &c.attention_impl);
-       }},
+      // Kernel choices moved to the execution policy (the run config's kernels: section).
+      {"gdr_core_impl", false, moved_to_kernels("gdr_core_impl")},
+      {"gdr_core_prep", false, moved_to_kernels("gdr_core_prep")},
+      {"attention_impl", false, moved_to_kernels("attention")},
   };
   return *fields;
 }
@@ -351,14 +337,6 @@ int64_t QwenConfig::rotary_dim() const {
 absl::Status validate_qwen_config(const QwenConfig& c, absl::string_view file,
                                   absl::string_view key_prefix) {
   const Source source{std::string(file), std::string(key_prefix)};
-  // Fusion rule first: full fusion's backward sums the conv-weight gradient with atomics.
-  if (c.deterministic_mode && c.pre_gdr_fusion == PreGdrFusion::kFull) {
-    return source.error(
-        "deterministic_mode",
-        absl::StrCat("true cannot be combined with ", key_prefix,
-                     "pre_gdr_fusion: full (the fully fused pre-GDR path has no ordered, "
-                     "bit-reproducible backward); use pre_gdr_fusion: gate or none"));
-  }
   const std::pair<const char*, int64_t> positives[] = {
       {"hidden_size", c.hidden_size},
       {"num_hidden_layers", c.num_hidden_layers},

@@ -2,21 +2,19 @@
 // our YAML run configs or from a Hugging Face config.json, and validated.
 //
 // Keys are named exactly like Hugging Face's Qwen3.5 text config.json, so a config can be
-// copied between the two. gdr adds four keys:
+// copied between the two. gdr adds two keys, which the run's execution policy takes over
+// (ops/policy/execution_policy.h):
 //   pre_gdr_fusion: none | gate | full   how the pre-GDR gate runs (default gate):
 //       none = unfused ATen composite (gdr::pre_gdr_gate_composite),
 //       gate = the fused gate op (gdr::pre_gdr_gate),
 //       full = conv1d, SiLU, L2 norm, repeat and gate as one fused CUDA op
 //              (gdr::pre_gdr_full_fusion; CUDA only, not with deterministic_mode).
 //   deterministic_mode: bool             ordered, bit-reproducible paths (default false);
-//       see apply_deterministic_mode() in models/qwen/deterministic_mode.h.
-//   gdr_core_impl: kernel | composite    the GDR core's chunk scan on CUDA, and
-//   gdr_core_prep: kernel | aten         its chunk preparation (ops/gdr_core.h); absent
-//       means GDR_CORE_IMPL / GDR_CORE_PREP or the op's default. Process-wide, applied by
-//       apply_gdr_core_settings() (models/qwen/model.h).
-//   attention_impl: cudnn | aten         the full-attention layers on CUDA: cuDNN's flash
-//       attention (with its deterministic backward in deterministic mode) or ATen's SDPA
-//       (ops/attention.h); absent means GDR_ATTENTION or cudnn. Process-wide, as above.
+//       see apply_deterministic_mode() in ops/policy/determinism.h.
+// The rule between them (deterministic_mode rejects pre_gdr_fusion: full) is the policy's
+// (validate_execution_policy), checked when a run config is loaded. The former kernel keys
+// gdr_core_impl, gdr_core_prep and attention_impl are errors that name their place in the
+// run config's kernels: section.
 //
 // Errors are absl::InvalidArgumentError (NotFoundError for a missing file) whose message
 // is "<file>: <key path>: <what is wrong>", e.g.
@@ -35,10 +33,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "ops/policy/execution_policy.h"
 
 namespace gdr {
-
-enum class PreGdrFusion { kNone, kGate, kFull };
 
 absl::string_view pre_gdr_fusion_name(PreGdrFusion fusion);
 
@@ -74,9 +71,6 @@ struct QwenConfig {
   // gdr keys.
   PreGdrFusion pre_gdr_fusion = PreGdrFusion::kGate;
   bool deterministic_mode = false;
-  std::string gdr_core_impl;   // "" (not set), "kernel" or "composite"
-  std::string gdr_core_prep;   // "" (not set), "kernel" or "aten"
-  std::string attention_impl;  // "" (not set), "cudnn" or "aten"
 
   // Derived sizes.
   int64_t linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
@@ -88,9 +82,8 @@ struct QwenConfig {
 };
 
 // Checks consistency (positive sizes, head divisibility, layer_types,
-// rotary dims, fusion rules). `source` and `key_prefix` only shape the messages
-// ("<source>: <key_prefix><key>: ..."). deterministic_mode: true with pre_gdr_fusion: full
-// is an error naming both keys (full fusion has no ordered backward).
+// rotary dims). `source` and `key_prefix` only shape the messages
+// ("<source>: <key_prefix><key>: ...").
 absl::Status validate_qwen_config(const QwenConfig& config, absl::string_view source,
                                   absl::string_view key_prefix = "");
 

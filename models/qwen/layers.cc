@@ -1,5 +1,5 @@
 #include "models/qwen/layers.h"
-#include "ops/env_choice.h"
+#include "ops/policy/execution_policy.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
@@ -14,15 +14,15 @@
 #include <cmath>
 #include <tuple>
 
-#include "ops/attention.h"
-#include "ops/causal_conv1d.h"
-#include "ops/gated_activation.h"
-#include "ops/gdr_core.h"
-#include "ops/linear_group.h"
-#include "ops/pre_gdr_full_fusion.h"
-#include "ops/pre_gdr_gate.h"
-#include "ops/rms_norm.h"
-#include "ops/rope.h"
+#include "ops/attention/attention_op.h"
+#include "ops/causal_conv1d/causal_conv1d_op.h"
+#include "ops/gated_activation/gated_activation_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/linear_group/linear_group_op.h"
+#include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
+#include "ops/rms_norm/rms_norm_op.h"
+#include "ops/rope/rope_op.h"
 
 namespace gdr {
 namespace {
@@ -114,12 +114,12 @@ std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<in
   return SplitLastDim::apply(x, sizes);
 }
 
-// Both norms take the fused op (ops/rms_norm.h) for CUDA FP32/FP16/BF16 inputs unless
-// GDR_RMS_NORM=composite (read at every call; a bad value is an error on every device);
-// the CPU and FP64 keep the composition, so their numerics do not change.
+// Both norms take the fused op (ops/rms_norm/rms_norm_op.h) for CUDA FP32/FP16/BF16 inputs unless the
+// execution policy says rms_norm composite; the CPU and FP64 keep the composition, so their
+// numerics do not change.
 namespace {
 bool norm_takes_fused_op(const at::Tensor& x, const at::Tensor& weight) {
-  return rms_norm_impl() == RmsNormImpl::kFused && rms_norm_fused_supports(x) &&
+  return current_execution_policy().rms_norm == RmsNormImpl::kFused && rms_norm_fused_supports(x) &&
          weight.scalar_type() != at::kDouble;
 }
 }  // namespace
@@ -132,7 +132,7 @@ at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight,
 std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
                                                              const at::Tensor& residual,
                                                              const at::Tensor& weight, double eps) {
-  if (add_rms_norm_impl() == AddRmsNormImpl::kFused && norm_takes_fused_op(x, weight) &&
+  if (current_execution_policy().add_rms_norm == AddRmsNormImpl::kFused && norm_takes_fused_op(x, weight) &&
       residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes()) {
     auto [normed, sum] = add_zero_centered_rms_norm_fused(x, residual, weight, eps);
     return {normed, sum};
@@ -145,7 +145,7 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
                           double eps, at::ScalarType out_dtype) {
   TORCH_CHECK(o.sizes() == z.sizes(), "gated_rms_norm: expected z of shape ", o.sizes(),
               " (same as o) but got ", z.sizes());
-  const bool fused = rms_norm_impl() == RmsNormImpl::kFused;
+  const bool fused = current_execution_policy().rms_norm == RmsNormImpl::kFused;
   if (fused && rms_norm_fused_supports(o) && z.scalar_type() != at::kDouble &&
       weight.scalar_type() != at::kDouble && out_dtype != at::kDouble) {
     return gated_rms_norm_fused(o, z, weight, eps, out_dtype);
@@ -153,18 +153,18 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
   return gated_rms_norm_composite(o, z, weight, eps, out_dtype);
 }
 
-// The fused op for CUDA FP32/FP16/BF16 inputs with K in [2, 4] unless GDR_CAUSAL_CONV=aten
-// (read at every call; a bad value is an error on every device); the CPU and FP64 keep the
-// composition, so their numerics do not change.
+// The fused op for CUDA FP32/FP16/BF16 inputs with K in [2, 4] unless the execution policy
+// says causal_conv aten; the CPU and FP64 keep the composition, so their numerics do not
+// change.
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight) {
-  const bool kernel = causal_conv_impl() == CausalConvImpl::kKernel;
+  const bool kernel = current_execution_policy().causal_conv == CausalConvImpl::kKernel;
   if (kernel && causal_conv1d_kernel_supports(x, weight)) return causal_conv1d_silu(x, weight);
   return causal_conv1d_silu_composite(x, weight);
 }
 
-// GDR_CORE_V_FP32 (Note [GDR core value dtype]): unset or 0 keeps v in the activations'
-// dtype; 1 widens it to FP32. Read at every call.
-static bool core_v_fp32() { return env_picks_second("GDR_CORE_V_FP32", "0", "1"); }
+// The execution policy's gdr_core_v_fp32 (Note [GDR core value dtype]): false keeps v in the
+// activations' dtype; true widens it to FP32.
+static bool core_v_fp32() { return current_execution_policy().gdr_core_v_fp32; }
 
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
   return partial_rope(x, rotary_dim, theta);
@@ -225,7 +225,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
               "no CPU implementation) but x is on ",
               x.device(), "; use pre_gdr_fusion: gate or none on CPU");
   // The four projections of x as one group, so the backward sums their input gradients
-  // inside the GEMMs (ops/linear_group.h; GDR_LINEAR_GROUP=composite: four Linear calls).
+  // inside the GEMMs (ops/linear_group/linear_group_op.h; GDR_LINEAR_GROUP=composite: four Linear calls).
   const std::vector<at::Tensor> projections =
       project(x, {in_proj_qkv->weight, in_proj_z->weight, in_proj_b->weight, in_proj_a->weight});
   const at::Tensor &mixed_qkv = projections[0], &z_flat = projections[1];
@@ -235,7 +235,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   // q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
   GdrQkNorm qk_norm = GdrQkNorm::kL2;
   if (fusion_ == PreGdrFusion::kFull) {
-    // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_full_fusion.h).
+    // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h).
     const GdrInputs in =
         pre_gdr_full_fusion(mixed_qkv, conv1d->weight, a, b, A_log, dt_bias,
                             GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
@@ -263,7 +263,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // back BF16, so the gated norm below reads o, z and its output gradient in one dtype
     // with no cast passes either way. GDR_CORE_V_FP32=1 widens v first (the core then
     // returns an FP32 o, which the norm casts with z and the gradients), as before.
-    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_full_fusion.h)
+    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h)
     // and rounds the core's FP32 o to the activations' dtype after it (below).
     v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_});
     if (x.scalar_type() != at::kDouble && v.scalar_type() != at::kFloat && core_v_fp32()) {
@@ -329,7 +329,7 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   // concatenates its pieces' gradients in one pass. The sums only ever add zeros, so the
   // values are the same (up to the sign of an all-zero gradient element). The GDN's q, k, v
   // split (split_last_dim) skips even that pass when the core wrote their gradients into one
-  // buffer already (Note [Gradients in the inputs' layout] in ops/gdr_chunk_prep.cc).
+  // buffer already (Note [Gradients in the inputs' layout] in ops/gdr_core/chunk_prep_op.cc).
   const std::vector<at::Tensor> query_and_gate_parts = at::split(query_and_gate, head_dim_, -1);
   at::Tensor q = query_and_gate_parts[0];
   const at::Tensor& gate = query_and_gate_parts[1];  // [B, T, H, hd], read in place
@@ -339,7 +339,7 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
   k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
   // cuDNN on CUDA (deterministic backward in deterministic mode), ATen's SDPA otherwise:
-  // Note [Attention backends] in ops/attention.h.
+  // Note [Attention backends] in ops/attention/attention_op.h.
   const at::Tensor attn =
       causal_attention(q, k, v, /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)));
   return o_proj(gated_activation(gate, attn.transpose(1, 2).reshape({B, T, -1}),

@@ -25,13 +25,13 @@ namespace gdr {
 
 // Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math,
 // result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless GDR_RMS_NORM=composite;
-// otherwise the composition (ops/rms_norm.h: zero_centered_rms_norm_composite, the
+// otherwise the composition (ops/rms_norm/rms_norm_op.h: zero_centered_rms_norm_composite, the
 // reference).
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // (zero_centered_rms_norm(x + residual), x + residual) for the pre-norm residual stream:
 // where that norm takes the fused op and GDR_ADD_RMS_NORM says fused (the default), the
-// add happens inside the norm's kernels (ops/rms_norm.h: add_zero_centered_rms_norm_fused,
+// add happens inside the norm's kernels (ops/rms_norm/rms_norm_op.h: add_zero_centered_rms_norm_fused,
 // the same bits); otherwise ATen's add, then the norm.
 std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
                                                              const at::Tensor& residual,
@@ -40,13 +40,13 @@ std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x
 // Gated RMSNorm of the GDN output, over the last dim:
 // (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math, result in `out_dtype`.
 // o, z: [..., dv]; weight: [dv]. Dispatch as for zero_centered_rms_norm (reference:
-// gated_rms_norm_composite in ops/rms_norm.h).
+// gated_rms_norm_composite in ops/rms_norm/rms_norm_op.h).
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
                           double eps, at::ScalarType out_dtype);
 
 // The GDN's causal depthwise conv1d + SiLU over its qkv projection: x [B, T, C], weight
 // [C, 1, K] -> [B, T, C] in x's dtype. On CUDA (FP32/FP16/BF16, K in [2, 4]) the fused op
-// (ops/causal_conv1d.h: causal_conv1d_silu, contiguous result) unless GDR_CAUSAL_CONV=aten;
+// (ops/causal_conv1d/causal_conv1d_op.h: causal_conv1d_silu, contiguous result) unless GDR_CAUSAL_CONV=aten;
 // otherwise the composition (causal_conv1d_silu_composite, the reference; a transposed
 // view).
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
@@ -55,13 +55,13 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
 // at::split_with_sizes), differentiable. The backward returns the pieces' gradients as one
 // tensor without a copy when they already are the consecutive column slices of one
 // buffer of x's shape (the GDN core writes dq, dk, dv so: Note [Gradients in the inputs'
-// layout] in ops/gdr_chunk_prep.cc), else concatenates them (zeros for a piece without a
+// layout] in ops/gdr_core/chunk_prep_op.cc), else concatenates them (zeros for a piece without a
 // gradient). The same values either way.
 std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<int64_t>& sizes);
 
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
 // 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype. The fused
-// op on CUDA (GDR_ROPE), else the ATen composite (ops/rope.h).
+// op on CUDA (GDR_ROPE), else the ATen composite (ops/rope/rope_op.h).
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
 
 // Zero-centred RMSNorm module; parameter `weight` [dim], initialised to 0.

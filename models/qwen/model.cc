@@ -12,9 +12,9 @@
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "ops/attention.h"
-#include "ops/cross_entropy.h"
-#include "ops/gdr_core.h"
+#include "ops/attention/attention_op.h"
+#include "ops/cross_entropy/cross_entropy_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 namespace gdr {
 
@@ -144,10 +144,10 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(
       logits.size(1) >= 2,
       "causal_lm_loss: expected T >= 2 tokens to predict a next one but got T = ", logits.size(1));
-  // CUDA logits take the fused op (no FP32 copy of the logits; ops/cross_entropy.h) unless
-  // GDR_CROSS_ENTROPY=composite (read at every call; a bad value is an error on every
-  // device); the CPU and FP64 keep the composite, so their numerics do not change.
-  const bool fused = cross_entropy_impl() == CrossEntropyImpl::kFused;
+  // CUDA logits take the fused op (no FP32 copy of the logits; ops/cross_entropy/cross_entropy_op.h) unless
+  // the execution policy says cross_entropy composite; the CPU and FP64 keep the composite,
+  // so their numerics do not change.
+  const bool fused = current_execution_policy().cross_entropy == CrossEntropyImpl::kFused;
   if (fused && cross_entropy_fused_supports(logits)) {
     return causal_lm_cross_entropy(logits, labels, kIgnoreIndex);
   }
@@ -178,19 +178,6 @@ void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed) {
       values.normal_(0.0, std_dev, gen);  // linears and the embedding
     }
     param.copy_(values);
-  }
-}
-
-void apply_gdr_core_settings(const QwenConfig& config) {
-  // The config loader already limited the values; parse_* only maps them.
-  if (!config.gdr_core_impl.empty()) {
-    set_gdr_core_impl(parse_gdr_core_impl(config.gdr_core_impl, "model.gdr_core_impl"));
-  }
-  if (!config.gdr_core_prep.empty()) {
-    set_gdr_core_prep(parse_gdr_core_prep(config.gdr_core_prep, "model.gdr_core_prep"));
-  }
-  if (!config.attention_impl.empty()) {
-    set_attention_impl(parse_attention_impl(config.attention_impl, "model.attention_impl"));
   }
 }
 

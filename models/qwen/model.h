@@ -8,7 +8,7 @@
 // (HF's multimodal Qwen3_5ForConditionalGeneration nests the same names under
 // model.language_model.; converting is the checkpoint code's business.)
 //
-// Tied models run the lookup and the LM head as the pair of ops/tied_embedding.h (W gets
+// Tied models run the lookup and the LM head as the pair of ops/tied_embedding/tied_embedding_op.h (W gets
 // one gradient; GDR_TIED_EMBEDDING=composite: torch::nn::Embedding + matmul instead).
 //
 // Dtype/device generic: build in FP32 on CPU, init, then module.to(dtype / device).
@@ -26,7 +26,7 @@
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
-#include "ops/tied_embedding.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 
 namespace gdr {
 
@@ -66,7 +66,7 @@ class QwenModelImpl : public torch::nn::Module {
   ZeroCenteredRMSNorm norm{nullptr};
 
   // Set by QwenForCausalLM around one forward when the tied pair runs (Note [Tied embedding
-  // gradient] in ops/tied_embedding.cc): forward() then looks the ids up with
+  // gradient] in ops/tied_embedding/tied_embedding_op.cc): forward() then looks the ids up with
   // tied_embedding_lookup on embed_tokens->weight. Null: embed_tokens(input_ids).
   TiedEmbeddingStatePtr tied_embedding_state;
 
@@ -102,7 +102,7 @@ TORCH_MODULE(QwenForCausalLM);
 // input ids (HF convention, labels = input_ids for plain LM): the shift happens here,
 // logits[:, t] is scored against labels[:, t + 1]. Labels equal to -100 are ignored and
 // the mean is over the remaining tokens (NaN when none remain, as in PyTorch). CUDA
-// logits take the fused op of ops/cross_entropy.h (GDR_CROSS_ENTROPY=composite for the
+// logits take the fused op of ops/cross_entropy/cross_entropy_op.h (GDR_CROSS_ENTROPY=composite for the
 // composite); on CUDA an out-of-range target is an error (one host read of the labels).
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
@@ -118,12 +118,5 @@ constexpr int64_t kIgnoreIndex = -100;
 //   zero-centred norms (input/post_attention_layernorm, q_norm, k_norm, model.norm): 0
 //   linear_attn.norm.weight (gated norm): 1
 void init_qwen_weights(QwenForCausalLMImpl& model, uint64_t seed);
-
-// config.gdr_core_impl / gdr_core_prep / attention_impl, when set, become the
-// process-wide switches of the GDR core and the attention op (set_gdr_core_impl /
-// set_gdr_core_prep in ops/gdr_core.h, set_attention_impl in ops/attention.h), overriding
-// the GDR_CORE_IMPL / GDR_CORE_PREP / GDR_ATTENTION environment variables; unset keys
-// leave the switches alone. Call once at start-up, before the model runs (the trainer does).
-void apply_gdr_core_settings(const QwenConfig& config);
 
 }  // namespace gdr

@@ -4,7 +4,7 @@ load("@local_cuda//:defs.bzl", "NVCC")
 
 # sm_80 (A100), sm_86 (A6000/RTX 30), sm_90a (H100/H200) machine code + compute_90 PTX
 # so newer GPUs can JIT. The H100/H200 code is built for sm_90a, the architecture-specific
-# target, so that kernels may use wgmma (kernels/wgmma_tf32.cuh); its machine code runs on
+# target, so that kernels may use wgmma (kernels/common/wgmma_tf32.cuh); its machine code runs on
 # compute capability 9.0 only, which is what sm_90 code ran on too. The portable compute_90
 # PTX has no wgmma: kernels keep an mma.sync path for it and for sm_80 / sm_86.
 CUDA_GENCODE = [
@@ -41,7 +41,7 @@ def _nvcc_cmd(src, gencode, copts):
         "-o $@",
     ])
 
-def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
+def cuda_library(name, srcs, hdrs = [], nvcc_hdrs = [], deps = [], copts = [], **kwargs):
     """A cc_library whose objects come from nvcc.
 
     Args:
@@ -50,6 +50,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
       hdrs: headers of this library, visible to dependents and the only headers (besides
             the CUDA toolkit's) that nvcc sees: each .cu compiles in a genrule whose inputs
             are the .cu and these, so a shared .cuh a kernel includes must be listed here.
+      nvcc_hdrs: headers of other packages (labels) that nvcc sees but this library does
+            not export (kernels/common's device helpers).
       deps: cc_library deps for dependents and the link; their headers do not reach nvcc
             (torch headers must not reach it anyway).
       copts: extra nvcc flags.
@@ -61,7 +63,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
         obj = "_objs_%s/%s.pic.o" % (name, stem)
         native.genrule(
             name = "%s_%s_nvcc" % (name, stem),
-            srcs = [src] + hdrs,
+            srcs = [src] + hdrs + nvcc_hdrs,
             outs = [obj],
             cmd = select({
                 "//third_party/cuda:sm90_only": _nvcc_cmd(src, CUDA_GENCODE_SM90, copts),

@@ -2,7 +2,7 @@
 
 The directory is $GDR_CUDNN_FRONTEND (tools/setup.sh unpacks the pinned wheel's include/
 there). The frontend is header-only; it reaches libcudnn through dlopen at run time
-(kernels/cudnn_attention.cc), so nothing links against cuDNN here.
+(kernels/attention/cudnn_attention.cc), so nothing links against cuDNN here.
 """
 
 def _cudnn_frontend_repository_impl(rctx):
