@@ -52,7 +52,8 @@ class CapturedWork {
 // a pool must replay in the order they were captured, never concurrently, and a later
 // graph's outputs must be read before an earlier graph replays again (PyTorch's rule for
 // shared graph pools). The trainer's per-position microbatch graphs (Note [Microbatch
-// graphs] in gdr/trainer.cc) share one pool so that one microbatch's activations take memory.
+// graphs] in gdr/microbatch_graphs.h) share one pool so that one microbatch's activations
+// take memory.
 using CudaGraphCapture = std::unique_ptr<CapturedWork> (*)(
     const std::function<void(CapturedWork&)>& body, const CapturedWork* share_memory_with);
 

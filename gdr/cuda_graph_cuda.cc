@@ -174,7 +174,7 @@ const bool registered = [] {
   // Every CUDA trainer binary links this file, and static initialisation runs before the
   // first CUDA call, which is when the driver reads this: a launch queue 4x the default,
   // so an eager step's ~2,000 launches per microbatch do not stall the host on a full
-  // queue (an explicit setting wins; Note [Microbatch graphs] in gdr/trainer.cc).
+  // queue (an explicit setting wins; Note [Microbatch graphs] in gdr/microbatch_graphs.h).
   setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
   return true;
 }();

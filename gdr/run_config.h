@@ -101,7 +101,8 @@ struct TrainConfig {
   // bits either way.
   bool overlap_grad_reduction = true;
   // CUDA only (ignored on CPU): capture one microbatch's forward and backward into a CUDA
-  // graph and replay it (Note [Microbatch graphs] in gdr/trainer.cc); same bits either way.
+  // graph and replay it (Note [Microbatch graphs] in gdr/microbatch_graphs.h); same bits
+  // either way.
   bool cuda_graphs = true;
 };
 

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "gdr/cuda_graph.h"
 #include "gdr/distributed.h"
+#include "gdr/microbatch_graphs.h"
 #include "gdr/sha256.h"
 #include "io/file_util.h"
 #include "ops/policy/determinism.h"
@@ -156,79 +155,33 @@ std::string format_run_header(const RunConfig& config, int64_t parameters, int w
   return line;
 }
 
-// Note [Microbatch graphs]: with train.cuda_graphs on CUDA, a microbatch's forward,
-// loss and backward are captured once into a CUDA graph (after one eager microbatch has
-// warmed up autotune caches, cuBLAS handles and the autograd threads) and replayed for
-// every later microbatch with its token ids copied into the graph's input. The step is
-// otherwise host-bound: autograd, dispatch and ~2,000 kernel launches per microbatch take
-// the host longer than the GPU takes to run them. A replay launches the very kernels the
-// eager microbatch would, with the same arguments, in the same order, so the bits are the
-// same (trainer_gpu_test compares a graphed run with an eager one). NCCL stays outside
-// the graph (its dead-peer timeout needs the host): under data parallelism every
-// microbatch is replayed and the reduction starts after the last replay (RangeAllReduce
-// with two ranks, see train_step_or_throw). Capture fails (with an error naming
-// train.cuda_graphs) when an op synchronises with the host; keep forward and backward free
-// of .item() and pageable copies. The graph's memory pool holds one microbatch's
-// activations for the run's lifetime (the 0.8B peak fell anyway, 26.9 -> 21.2 GiB, as the
-// eager microbatches' allocations went away).
-//
-// One graph per position k mod PairwiseSum::kDeferredLeaves in the step (so up to four),
-// all sharing one memory pool (the activations of one microbatch; CudaGraphCapture's
-// share_memory_with), each with its own gradient leaf. The gradient tree keeps the leaves
-// of a deferred group as they are (PairwiseSum::add_kept) and sums the group in one pass
-// when it is complete, at position k = 4j + 3, or at the step's end; the next replay of
-// graph k mod 4 comes after that on the same stream, so a leaf is read before it is
-// overwritten. With a single graph every leaf had to be copied out before the next replay
-// (PairwiseSum's former add_copy_of): 3 of the 4 leaves per 0.8B step, 3.1 ms of 191.
-// All the position graphs are captured together, in position order, at the first graphed
-// microbatch (step 1's second, after the eager warm-up one), because a shared pool is only
-// safe when graphs replay in the order they were captured: a later capture may place its
-// leaf in memory an earlier graph uses for temporaries (its freed activations, or a cuBLAS
-// workspace), so graph j < i must not replay between graph i's replay and the tree's read
-// of leaf i. In position order it never does: the replay after graph i that reaches a
-// lower position starts the next group, and the tree has summed leaf i's group before it.
-// (Capturing graph 0 last, at step 2, put leaf 0 into graph 1's activations: NaN gradients
-// on the H200.) The last position's graph carries the marks.
-struct MicrobatchGraph {
-  at::Tensor ids;   // the graph's input: [batch, window] token ids
-  at::Tensor loss;  // its outputs, overwritten by every replay
-  // The microbatch's gradient leaf (Note [Gradient reduction tree]): the parameters'
-  // gradients as backward left them (BF16 for bf16 training), in params order.
-  // PairwiseSum::add_kept and finish_with_last widen them as they add them (one pass over
-  // the gradients instead of a widening copy and then an add; the bits of the eager path's
-  // grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
-  // tried first: ~300 launches per replay filled the stream's launch queue.
-  std::vector<at::Tensor> leaf;
-  // Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
-  // last parameter first (each range's indices descending), and for each range the mark
-  // after which its gradients are final in a replay. Empty when captured without marks
-  // (train.overlap_grad_reduction off, or one microbatch per step).
-  std::vector<std::vector<size_t>> ranges;
-  std::vector<size_t> range_marks;
-  std::unique_ptr<CapturedWork> work;
+namespace {
+
+// How this rank's microbatches of one step run (Note [Overlapped gradient reduction]).
+struct MicrobatchPlan {
+  size_t count = 0;     // this rank's microbatches
+  int64_t divisor = 1;  // world * grad_accum: each backward is of loss / divisor
+  // Eager, several ranks: the last backward hands each gradient to OverlappedReduction.
+  bool overlap_eager = false;
+  // Graphed: the last replay's gradients are summed range by range as they become final.
+  bool overlap_graphed = false;
 };
 
-// 256 MiB of FP32 gradients: the granularity of the overlapped sum and of the ranged
-// two-rank all-reduce. Ranges of 256 MiB ran at ~300 GB/s where 64 MiB ones ran at ~230 on
-// the H200 pair (docs/benchmarks.md).
-constexpr int64_t kRangeElements = int64_t{64} << 20;
-
-// Note [Graph marks]: counts down a range's parameters as autograd stores their gradients
-// and sets the range's mark when the last one is stored (a hook after the accumulation, so
-// the mark follows every kernel that wrote them, a layout-fixing copy included).
-class MarkWhenRangeStored final : public torch::autograd::PostAccumulateGradHook {
- public:
-  MarkWhenRangeStored(CapturedWork& work, size_t& pending, size_t& mark)
-      : work_(work), pending_(pending), mark_(mark) {}
-  void operator()(const torch::autograd::Variable&) override {
-    if (--pending_ == 0) mark_ = work_.mark();
-  }
-
- private:
-  CapturedWork& work_;
-  size_t& pending_;
-  size_t& mark_;
+// What the microbatches of a step leave for the gradient reduction.
+struct LocalGradients {
+  // Each microbatch's FP32 gradient is a leaf of the reduction tree (Note [Gradient
+  // reduction tree] in gdr/distributed.h); with accum <= 2 and one rank this is exactly
+  // autograd's accumulation.
+  PairwiseSum tree;
+  // Losses stay on the device until the step's end: one host sync per step, not one per
+  // microbatch, so the host can queue the next microbatch while the GPU finishes this one.
+  std::vector<at::Tensor> losses_on_device;
+  std::unique_ptr<OverlappedReduction> overlapped;  // overlap_eager: the cross-rank sum
+  std::unique_ptr<RangeAllReduce> ranged;           // overlap_graphed with two ranks
+  std::vector<at::Tensor> finished;  // overlap_graphed: the local sums, in params order
 };
+
+}  // namespace
 
 struct Trainer::Impl {
   RunConfig config;
@@ -244,10 +197,9 @@ struct Trainer::Impl {
   std::vector<at::Tensor> last_grads;
   std::vector<double> last_losses;
   std::shared_ptr<ProcessGroup> group;  // null: one process
-  // Note [Microbatch graphs]: null when graphs are off or not on CUDA.
-  CudaGraphCapture graph_capture = nullptr;
-  // Indexed by position in the step mod PairwiseSum::kDeferredLeaves; null until captured.
-  std::vector<std::unique_ptr<MicrobatchGraph>> graphs;
+  // Note [Microbatch graphs] (gdr/microbatch_graphs.h): null when graphs are off or not on
+  // CUDA.
+  std::unique_ptr<MicrobatchGraphs> graphs;
   int64_t eager_microbatches = 0;  // in this process
 
   int rank() const { return group ? group->rank() : 0; }
@@ -261,74 +213,27 @@ struct Trainer::Impl {
     return static_cast<torch::optim::AdamWParamState*>(it->second.get());
   }
 
-  // The capture whose memory pool the next capture shares (Note [Microbatch graphs]): the
-  // first position's, which is captured first; null for that first capture.
-  const CapturedWork* graph_pool_owner() const {
-    return !graphs.empty() && graphs[0] != nullptr ? graphs[0]->work.get() : nullptr;
-  }
-
-  // Captures one microbatch (forward, loss, backward of loss / divisor) on `ids`'s shape
-  // into graphs[slot]; the parameters' .grad are left empty.
-  // With `marks`, a mark follows each range of parameters' gradients (Note [Graph marks]).
-  absl::Status capture_microbatch(size_t slot, const at::Tensor& ids, int64_t divisor, bool marks) {
-    auto captured = std::make_unique<MicrobatchGraph>();
-    captured->ids = at::empty_like(ids);
-    captured->ids.copy_(ids, /*non_blocking=*/true);
-    try {
-      captured->work = graph_capture(
-          [&](CapturedWork& work) {
-            const at::Tensor loss = model->loss(captured->ids, captured->ids);
-            // Note [Graph marks]
-            constexpr size_t kNoMark = static_cast<size_t>(-1);
-            std::vector<size_t> pending;
-            if (marks) {
-              int64_t elements = 0;
-              for (size_t j = params.size(); j-- > 0;) {
-                if (elements == 0) captured->ranges.emplace_back();
-                captured->ranges.back().push_back(j);
-                elements += params[j].numel();
-                if (elements >= kRangeElements) elements = 0;
-              }
-              captured->range_marks.assign(captured->ranges.size(), kNoMark);
-              pending.resize(captured->ranges.size());
-              for (size_t r = 0; r < captured->ranges.size(); ++r) {
-                pending[r] = captured->ranges[r].size();
-                for (size_t j : captured->ranges[r]) {
-                  torch::autograd::impl::set_post_acc_grad_hooks(
-                      params[j], std::make_unique<MarkWhenRangeStored>(work, pending[r],
-                                                                       captured->range_marks[r]));
-                }
-              }
-            }
-            (loss / static_cast<double>(divisor)).backward();
-            for (at::Tensor& p : params) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
-            captured->loss = loss.detach();
-            for (size_t i = 0; i < params.size(); ++i) {
-              const at::Tensor grad = params[i].grad();
-              TORCH_CHECK(grad.defined(), "parameter ", names[i],
-                          " got no gradient in the captured microbatch");
-              captured->leaf.push_back(grad);
-            }
-            for (size_t r = 0; r < captured->range_marks.size(); ++r) {
-              TORCH_CHECK(captured->range_marks[r] != kNoMark, "gradient range ", r,
-                          " got no mark in the captured microbatch");
-            }
-          },
-          graph_pool_owner());
-    } catch (const c10::Error& e) {
-      for (at::Tensor& p : params) {
-        p.mutable_grad().reset();
-        torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
-      }
-      return absl::FailedPreconditionError(absl::StrCat(
-          "train.cuda_graphs: capturing a microbatch's forward and backward into a CUDA graph "
-          "failed (set train.cuda_graphs: false to run without graphs): ",
-          e.what_without_backtrace()));
-    }
-    for (at::Tensor& p : params) p.mutable_grad().reset();
-    graphs[slot] = std::move(captured);
-    return absl::OkStatus();
-  }
+  // The phases of train_step, in the order it runs them.
+  void clear_grads();
+  std::vector<std::vector<int64_t>> fetch_microbatches();
+  absl::Status check_token_ids(const std::vector<std::vector<int64_t>>& mine,
+                               int64_t step_number) const;
+  at::Tensor upload(const std::vector<std::vector<int64_t>>& mine) const;
+  MicrobatchPlan plan_microbatches(size_t count) const;
+  absl::Status run_microbatches(const at::Tensor& step_ids, const MicrobatchPlan& plan,
+                                StepStats& stats, LocalGradients& local);
+  absl::Status replay_microbatch(size_t k, const at::Tensor& ids, const MicrobatchPlan& plan,
+                                 StepStats& stats, LocalGradients& local);
+  void eager_microbatch(const at::Tensor& ids, bool hand_over, int64_t divisor,
+                        LocalGradients& local);
+  void sync_losses(std::chrono::steady_clock::time_point start, LocalGradients& local,
+                   StepStats& stats) const;
+  absl::StatusOr<std::vector<at::Tensor>> reduce_gradients(LocalGradients& local, StepStats& stats);
+  void measure(const std::vector<at::Tensor>& grads, StepStats& stats) const;
+  absl::StatusOr<bool> check_finite(const StepStats& stats) const;
+  void clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats);
+  void record(std::vector<at::Tensor> grads, std::chrono::steady_clock::time_point start,
+              StepStats& stats);
 
   // Note [Fused AdamW]: the optimizer tail of a step in one multi-tensor kernel family,
   // gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h): per element, the gradient clip (grad *=
@@ -407,9 +312,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data)});
   impl->device = device;
   impl->group = std::move(group);
+  CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
   if (device.is_cuda() && config.train.cuda_graphs) {
-    impl->graph_capture = cuda_graph_capture();
-    if (impl->graph_capture == nullptr) {
+    graph_capture = cuda_graph_capture();
+    if (graph_capture == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat(config.source,
                        ": train.cuda_graphs: true needs a binary linked with //gdr:cuda_graph_cuda "
@@ -435,6 +341,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
     return absl::InvalidArgumentError(
         absl::StrCat(config.source, ": ", e.what_without_backtrace()));
   }
+  if (graph_capture != nullptr) {
+    Impl* m = impl.get();
+    impl->graphs = std::make_unique<MicrobatchGraphs>(
+        graph_capture, impl->params, impl->names,
+        [m](const at::Tensor& ids) { return m->model->loss(ids, ids); });
+  }
   if (impl->world() > 1) {
     if (absl::Status s = check_same_on_all_ranks(*impl->group, "initial parameter checksum",
                                                  tensors_checksum(impl->masters));
@@ -456,213 +368,265 @@ absl::StatusOr<StepStats> Trainer::train_step() {
   }
 }
 
+// One step as a sequence of phases (Trainer::Impl's methods below, in this order): fetch
+// this rank's microbatches, check their token ids, upload them, run each microbatch eagerly
+// or as a graph replay (adding its gradients to the reduction tree), wait for the losses,
+// reduce the gradients (over microbatches, then ranks), measure the norm, stop or skip on
+// non-finite values, clip and step the optimizer, and record the step.
 absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
-  const int64_t accum = m.config.train.grad_accum;
-  const int64_t batch = m.config.data.micro_batch_size;
-  const int64_t window = m.data.window_length();
   StepStats stats;
   stats.step = m.step + 1;
-  for (at::Tensor& p : m.params) p.mutable_grad().reset();
-  for (at::Tensor& p : m.masters) p.mutable_grad().reset();
+  m.clear_grads();
 
-  const int world = m.world();
-  // Global microbatches k = 0 .. world * accum - 1 of this step; rank r trains on
-  // k = r * accum .. r * accum + accum - 1 (see Trainer::create). Every rank reads them all,
-  // so the data position stays the same on every rank.
-  std::vector<std::vector<int64_t>> mine;
-  for (int64_t k = 0; k < world * accum; ++k) {
-    std::vector<int64_t> b = m.data.next_batch(batch);
-    if (k / accum == m.rank()) mine.push_back(std::move(b));
+  const std::vector<std::vector<int64_t>> mine = m.fetch_microbatches();
+  if (absl::Status s = m.check_token_ids(mine, stats.step); !s.ok()) return s;
+  LocalGradients local;
+  const at::Tensor step_ids = m.upload(mine);
+  const MicrobatchPlan plan = m.plan_microbatches(mine.size());
+  if (absl::Status s = m.run_microbatches(step_ids, plan, stats, local); !s.ok()) return s;
+  m.sync_losses(start, local, stats);
+
+  absl::StatusOr<std::vector<at::Tensor>> grads = m.reduce_gradients(local, stats);
+  if (!grads.ok()) return grads.status();
+  m.measure(*grads, stats);
+  absl::StatusOr<bool> finite = m.check_finite(stats);
+  if (!finite.ok()) return finite.status();
+  m.last_losses = stats.microbatch_losses;
+  if (*finite) {
+    m.clip_and_step(*grads, stats);
+  } else {
+    stats.skipped = true;
   }
-  // Note [Token id check]: every id must index the embedding and the loss's vocabulary.
-  // Checked here on the host, where it costs nothing, because on the GPU an
-  // out-of-range id is a device-side assert in the embedding (the process dies with no
-  // useful message) and the fused loss does not check its targets (Note [Cross-entropy
-  // target check]).
-  const int64_t vocab = m.config.model.vocab_size;
+  m.record(std::move(*grads), start, stats);
+  return stats;
+}
+
+void Trainer::Impl::clear_grads() {
+  for (at::Tensor& p : params) p.mutable_grad().reset();
+  for (at::Tensor& p : masters) p.mutable_grad().reset();
+}
+
+// Global microbatches k = 0 .. world * accum - 1 of this step; rank r trains on
+// k = r * accum .. r * accum + accum - 1 (see Trainer::create). Every rank reads them all,
+// so the data position stays the same on every rank.
+std::vector<std::vector<int64_t>> Trainer::Impl::fetch_microbatches() {
+  const int64_t accum = config.train.grad_accum;
+  const int64_t batch = config.data.micro_batch_size;
+  const int64_t microbatches = world() * accum;
+  std::vector<std::vector<int64_t>> mine;
+  for (int64_t k = 0; k < microbatches; ++k) {
+    std::vector<int64_t> b = data.next_batch(batch);
+    if (k / accum == rank()) mine.push_back(std::move(b));
+  }
+  return mine;
+}
+
+// Note [Token id check]: every id must index the embedding and the loss's vocabulary.
+// Checked here on the host, where it costs nothing, because on the GPU an
+// out-of-range id is a device-side assert in the embedding (the process dies with no
+// useful message) and the fused loss does not check its targets (Note [Cross-entropy
+// target check]).
+absl::Status Trainer::Impl::check_token_ids(const std::vector<std::vector<int64_t>>& mine,
+                                            int64_t step_number) const {
+  const int64_t accum = config.train.grad_accum;
+  const int64_t vocab = config.model.vocab_size;
   for (size_t k = 0; k < mine.size(); ++k) {
     for (size_t i = 0; i < mine[k].size(); ++i) {
       const int64_t id = mine[k][i];
       if (id < 0 || id >= vocab) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "step ", stats.step, ": token id ", id, " at position ", i, " of microbatch ",
-            m.rank() * accum + static_cast<int64_t>(k) + 1, " is outside the vocabulary [0, ",
-            vocab, ") of model.vocab_size; check that the data (",
-            m.config.data.source == DataSource::kEmbedded ? m.config.data.path
-                                                          : m.config.data.prefix,
+            "step ", step_number, ": token id ", id, " at position ", i, " of microbatch ",
+            rank() * accum + static_cast<int64_t>(k) + 1, " is outside the vocabulary [0, ", vocab,
+            ") of model.vocab_size; check that the data (",
+            config.data.source == DataSource::kEmbedded ? config.data.path : config.data.prefix,
             ") was tokenized for this model"));
       }
     }
   }
-  // Each microbatch's FP32 gradient is a leaf of the reduction tree (Note [Gradient
-  // reduction tree] in gdr/distributed.h); with accum <= 2 and one rank this is exactly
-  // autograd's accumulation.
-  PairwiseSum tree;
-  // Losses stay on the device until the step's end: one host sync per step, not one per
-  // microbatch, so the host can queue the next microbatch while the GPU finishes this one.
-  std::vector<at::Tensor> losses_on_device;
-  // All of this rank's token windows in one upload. On CUDA from pinned memory without
-  // blocking: a copy from pageable memory (what Tensor::to does with a std::vector's
-  // tensor) synchronises the stream first, so every microbatch used to start with the GPU
-  // drained and idle while the host queued its first kernels.
+  return absl::OkStatus();
+}
+
+// All of this rank's token windows in one upload, [microbatches, batch, window]. On CUDA
+// from pinned memory without blocking: a copy from pageable memory (what Tensor::to does
+// with a std::vector's tensor) synchronises the stream first, so every microbatch used to
+// start with the GPU drained and idle while the host queued its first kernels.
+at::Tensor Trainer::Impl::upload(const std::vector<std::vector<int64_t>>& mine) const {
+  const int64_t batch = config.data.micro_batch_size;
+  const int64_t window = data.window_length();
   at::Tensor step_ids = at::empty({static_cast<int64_t>(mine.size()), batch, window}, at::kLong);
   for (size_t k = 0; k < mine.size(); ++k) {
     std::copy(mine[k].begin(), mine[k].end(),
               step_ids.data_ptr<int64_t>() + static_cast<int64_t>(k) * batch * window);
   }
-  if (m.device.is_cuda()) step_ids = step_ids.pin_memory().to(m.device, /*non_blocking=*/true);
-  // Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
-  // microbatch's backward hands each parameter's final local sum to the cross-rank
-  // reduction as soon as autograd produces its gradient.
-  // Graphed (Note [Microbatch graphs]): after the last replay is queued, a side stream
-  // waits for each 256 MiB range's mark (Note [Graph marks]), last parameters first as
-  // backward produces them, and adds the range's final local sums while the replay's
-  // backward goes on with earlier layers; with two ranks each range then goes to
-  // RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
-  // ranks the reduction runs after the loop. (Handing the gradients over from an eager
-  // last backward cost more host and GPU time than the overlap hid: docs/benchmarks.md,
-  // issue 7.) Eager runs with several ranks hand over from the last backward's hooks.
-  const bool overlap =
-      world > 1 && m.config.train.overlap_grad_reduction && m.graph_capture == nullptr;
-  const bool overlap_graphed =
-      m.config.train.overlap_grad_reduction && m.graph_capture != nullptr && mine.size() >= 2;
-  std::unique_ptr<OverlappedReduction> overlapped;
-  std::unique_ptr<RangeAllReduce> ranged;
-  std::vector<at::Tensor> finished;  // overlap_graphed: the local sums, in params order
-  for (size_t k = 0; k < mine.size(); ++k) {
+  if (device.is_cuda()) step_ids = step_ids.pin_memory().to(device, /*non_blocking=*/true);
+  return step_ids;
+}
+
+// Note [Overlapped gradient reduction]: with train.overlap_grad_reduction, the last
+// microbatch's backward hands each parameter's final local sum to the cross-rank
+// reduction as soon as autograd produces its gradient.
+// Graphed (Note [Microbatch graphs]): after the last replay is queued, a side stream
+// waits for each 256 MiB range's mark (Note [Graph marks]), last parameters first as
+// backward produces them, and adds the range's final local sums while the replay's
+// backward goes on with earlier layers; with two ranks each range then goes to
+// RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
+// ranks the reduction runs after the loop. (Handing the gradients over from an eager
+// last backward cost more host and GPU time than the overlap hid: docs/benchmarks.md,
+// issue 7.) Eager runs with several ranks hand over from the last backward's hooks.
+MicrobatchPlan Trainer::Impl::plan_microbatches(size_t count) const {
+  MicrobatchPlan plan;
+  plan.count = count;
+  plan.divisor = world() * config.train.grad_accum;
+  plan.overlap_eager = world() > 1 && config.train.overlap_grad_reduction && graphs == nullptr;
+  plan.overlap_graphed = config.train.overlap_grad_reduction && graphs != nullptr && count >= 2;
+  return plan;
+}
+
+// Each microbatch, in order: a graph replay once a microbatch has run eagerly in this
+// process (Note [Microbatch graphs]), except the eager hand-over one; else eagerly.
+absl::Status Trainer::Impl::run_microbatches(const at::Tensor& step_ids, const MicrobatchPlan& plan,
+                                             StepStats& stats, LocalGradients& local) {
+  const int64_t batch = config.data.micro_batch_size;
+  const int64_t window = data.window_length();
+  for (size_t k = 0; k < plan.count; ++k) {
     const at::Tensor ids = step_ids[static_cast<int64_t>(k)];
-    const bool hand_over = overlap && k + 1 == mine.size();
+    const bool hand_over = plan.overlap_eager && k + 1 == plan.count;
     stats.tokens += batch * (window - 1);
-    if (!hand_over && m.graph_capture != nullptr && m.eager_microbatches > 0) {
-      // Note [Microbatch graphs]
-      const size_t slots = std::min(mine.size(), PairwiseSum::kDeferredLeaves);
-      const size_t slot = k % slots;
-      if (m.graphs.empty()) {
-        // All positions at once, in position order: the order every step replays them in
-        // (Note [Microbatch graphs]).
-        m.graphs.resize(slots);
-        const size_t last_slot = (mine.size() - 1) % slots;
-        for (size_t s = 0; s < slots; ++s) {
-          if (absl::Status status =
-                  m.capture_microbatch(s, ids, world * accum, overlap_graphed && s == last_slot);
-              !status.ok()) {
-            m.graphs.clear();
-            return absl::InternalError(absl::StrCat("step ", stats.step, ": ", status.message()));
-          }
-        }
-      }
-      // grad_accum is fixed for the run, so the positions captured are the positions used.
-      TORCH_INTERNAL_ASSERT(m.graphs.size() == slots, "microbatch graphs for ", m.graphs.size(),
-                            " positions, but the step has ", slots);
-      MicrobatchGraph& g = *m.graphs[slot];
-      g.ids.copy_(ids, /*non_blocking=*/true);
-      g.work->replay();
-      ++stats.graph_replays;
-      losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
-      if (overlap_graphed && !g.ranges.empty() && k + 1 == mine.size()) {
-        if (world == 2) ranged = std::make_unique<RangeAllReduce>(*m.group);
-        finished.resize(g.leaf.size());
-        for (size_t r = 0; r < g.ranges.size(); ++r) {
-          g.work->on_side_stream_after(g.range_marks[r], [&] {
-            std::vector<at::Tensor> range;
-            for (size_t j : g.ranges[r]) {
-              // In place into the sum buffer, which the sums tile (PairwiseSum::add_kept),
-              // so a range is one slice of it.
-              finished[j] = tree.finish_with_last(j, g.leaf[j]);
-              range.insert(range.begin(), finished[j]);
-            }
-            if (ranged != nullptr) ranged->start(range);
-          });
-        }
-        g.work->join_side_stream();
-        continue;
-      }
-      // Kept, not copied: graph `slot` replays again only after the tree has summed this
-      // leaf's group (Note [Microbatch graphs]).
-      tree.add_kept(g.leaf);
-      continue;
+    if (!hand_over && graphs != nullptr && eager_microbatches > 0) {
+      if (absl::Status s = replay_microbatch(k, ids, plan, stats, local); !s.ok()) return s;
+    } else {
+      eager_microbatch(ids, hand_over, plan.divisor, local);
     }
-    ++m.eager_microbatches;
-    const at::Tensor loss = m.model->loss(ids, ids);
-    std::vector<unsigned> hooks;
-    if (hand_over) {
-      std::vector<std::vector<int64_t>> shapes;
-      for (const at::Tensor& p : m.masters) shapes.push_back(p.sizes().vec());
-      overlapped = std::make_unique<OverlappedReduction>(*m.group, shapes, m.masters[0].options());
-      for (size_t i = 0; i < m.params.size(); ++i) {
-        hooks.push_back(m.params[i].register_hook([&m, &tree, &overlapped, i](at::Tensor grad) {
-          overlapped->set(i, tree.finish_with_last(i, m.mixed() ? grad.to(at::kFloat) : grad));
-        }));
-      }
-    }
-    (loss / static_cast<double>(world * accum)).backward();
-    for (size_t i = 0; i < hooks.size(); ++i) m.params[i].remove_hook(hooks[i]);
-    losses_on_device.push_back(loss.detach().reshape({1}));
-    if (hand_over) {
-      for (at::Tensor& p : m.params) p.mutable_grad().reset();
-      continue;
-    }
-    std::vector<at::Tensor> leaf;
-    for (at::Tensor& p : m.params) {
-      leaf.push_back(m.mixed() ? p.grad().to(at::kFloat) : p.grad());
-      p.mutable_grad().reset();
-    }
-    tree.add(std::move(leaf));
   }
-  {
-    // Note [Host-bound steps]: the loss copy below is the step's first wait on the device.
-    // The host time up to it is spent queueing work (autograd, dispatch, launches); the
-    // wait is what the GPU still had to do. A wait near zero means the GPU finished before
-    // the host had queued everything: the step is host-bound, and faster kernels will not
-    // shorten it (metrics.jsonl: host_queue_s, gpu_wait_s).
-    const auto sync_start = std::chrono::steady_clock::now();
-    stats.host_queue_s = std::chrono::duration<double>(sync_start - start).count();
-    // float -> double is exact, so these are the values loss.item<double>() would give.
-    const at::Tensor host = at::cat(losses_on_device).to(at::kCPU, at::kDouble);
-    stats.gpu_wait_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
-    const double* p = host.data_ptr<double>();
-    stats.microbatch_losses.assign(p, p + host.numel());
+  return absl::OkStatus();
+}
+
+// Note [Microbatch graphs]: captures every position at the first graphed microbatch, then
+// replays microbatch k's graph and hands its gradients to the tree.
+absl::Status Trainer::Impl::replay_microbatch(size_t k, const at::Tensor& ids,
+                                              const MicrobatchPlan& plan, StepStats& stats,
+                                              LocalGradients& local) {
+  if (!graphs->captured()) {
+    if (absl::Status status = graphs->capture(ids, plan.count, plan.divisor, plan.overlap_graphed);
+        !status.ok()) {
+      return absl::InternalError(absl::StrCat("step ", stats.step, ": ", status.message()));
+    }
   }
+  MicrobatchGraph& g = graphs->replay(k, plan.count, ids);
+  ++stats.graph_replays;
+  local.losses_on_device.push_back(g.loss.detach().reshape({1}).clone());
+  if (plan.overlap_graphed && !g.ranges.empty() && k + 1 == plan.count) {
+    if (world() == 2) local.ranged = std::make_unique<RangeAllReduce>(*group);
+    local.finished = g.sum_ranges_when_final(local.tree, local.ranged.get());
+    return absl::OkStatus();
+  }
+  // Kept, not copied: graph k mod positions replays again only after the tree has summed
+  // this leaf's group (Note [Microbatch graphs]).
+  local.tree.add_kept(g.leaf);
+  return absl::OkStatus();
+}
+
+// Forward, loss and backward of loss / divisor; the gradients (widened to FP32) become a
+// leaf of the tree. With `hand_over` each parameter's final local sum goes to the
+// cross-rank reduction from a hook as backward produces it (Note [Overlapped gradient
+// reduction]).
+void Trainer::Impl::eager_microbatch(const at::Tensor& ids, bool hand_over, int64_t divisor,
+                                     LocalGradients& local) {
+  ++eager_microbatches;
+  const at::Tensor loss = model->loss(ids, ids);
+  std::vector<unsigned> hooks;
+  if (hand_over) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const at::Tensor& p : masters) shapes.push_back(p.sizes().vec());
+    local.overlapped = std::make_unique<OverlappedReduction>(*group, shapes, masters[0].options());
+    for (size_t i = 0; i < params.size(); ++i) {
+      hooks.push_back(params[i].register_hook([this, &local, i](at::Tensor grad) {
+        local.overlapped->set(i,
+                              local.tree.finish_with_last(i, mixed() ? grad.to(at::kFloat) : grad));
+      }));
+    }
+  }
+  (loss / static_cast<double>(divisor)).backward();
+  for (size_t i = 0; i < hooks.size(); ++i) params[i].remove_hook(hooks[i]);
+  local.losses_on_device.push_back(loss.detach().reshape({1}));
+  if (hand_over) {
+    for (at::Tensor& p : params) p.mutable_grad().reset();
+    return;
+  }
+  std::vector<at::Tensor> leaf;
+  for (at::Tensor& p : params) {
+    leaf.push_back(mixed() ? p.grad().to(at::kFloat) : p.grad());
+    p.mutable_grad().reset();
+  }
+  local.tree.add(std::move(leaf));
+}
+
+// Note [Host-bound steps]: the loss copy below is the step's first wait on the device.
+// The host time up to it is spent queueing work (autograd, dispatch, launches); the
+// wait is what the GPU still had to do. A wait near zero means the GPU finished before
+// the host had queued everything: the step is host-bound, and faster kernels will not
+// shorten it (metrics.jsonl: host_queue_s, gpu_wait_s).
+void Trainer::Impl::sync_losses(std::chrono::steady_clock::time_point start, LocalGradients& local,
+                                StepStats& stats) const {
+  const auto sync_start = std::chrono::steady_clock::now();
+  stats.host_queue_s = std::chrono::duration<double>(sync_start - start).count();
+  // float -> double is exact, so these are the values loss.item<double>() would give.
+  const at::Tensor host = at::cat(local.losses_on_device).to(at::kCPU, at::kDouble);
+  stats.gpu_wait_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
+  const double* p = host.data_ptr<double>();
+  stats.microbatch_losses.assign(p, p + host.numel());
+}
+
+// The step's gradients, summed over this rank's microbatches and then over ranks, set as
+// the masters' .grad (the returned tensors alias them). Under data parallelism the losses
+// are gathered too: stats.microbatch_losses becomes every rank's, in global order.
+absl::StatusOr<std::vector<at::Tensor>> Trainer::Impl::reduce_gradients(LocalGradients& local,
+                                                                        StepStats& stats) {
   std::vector<at::Tensor> grads;
   const auto reduce_start = std::chrono::steady_clock::now();
-  if (ranged != nullptr) {
-    if (absl::Status s = ranged->finish(); !s.ok()) {
+  if (local.ranged != nullptr) {
+    if (absl::Status s = local.ranged->finish(); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
     }
-    grads = std::move(finished);
-  } else if (!finished.empty()) {
-    grads = std::move(finished);
-  } else if (overlapped != nullptr) {
-    absl::StatusOr<std::vector<at::Tensor>> reduced = overlapped->finish();
+    grads = std::move(local.finished);
+  } else if (!local.finished.empty()) {
+    grads = std::move(local.finished);
+  } else if (local.overlapped != nullptr) {
+    absl::StatusOr<std::vector<at::Tensor>> reduced = local.overlapped->finish();
     if (!reduced.ok()) {
       return absl::UnavailableError(
           absl::StrCat("step ", stats.step, ": ", reduced.status().message()));
     }
     grads = std::move(*reduced);
   } else {
-    grads = tree.finish();
+    grads = local.tree.finish();
   }
-  for (size_t i = 0; i < m.masters.size(); ++i) m.masters[i].mutable_grad() = grads[i];
-  if (world > 1) {
+  for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = grads[i];
+  if (world() > 1) {
     std::vector<std::vector<double>> losses;
     // Overlapped: the gradients are reduced already; only the losses are gathered.
     const std::vector<at::Tensor> to_reduce =
-        overlapped != nullptr || ranged != nullptr ? std::vector<at::Tensor>{} : grads;
-    if (absl::Status s = m.group->all_reduce_sum(to_reduce, stats.microbatch_losses, &losses);
+        local.overlapped != nullptr || local.ranged != nullptr ? std::vector<at::Tensor>{} : grads;
+    if (absl::Status s = group->all_reduce_sum(to_reduce, stats.microbatch_losses, &losses);
         !s.ok()) {
       return absl::UnavailableError(absl::StrCat("step ", stats.step, ": ", s.message()));
     }
     stats.reduce_time_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - reduce_start).count();
     stats.microbatch_losses.clear();  // all of them, in global order
-    for (int r = 0; r < world; ++r) {
+    for (int r = 0; r < world(); ++r) {
       for (double l : losses[r]) stats.microbatch_losses.push_back(l);
     }
-    stats.tokens *= world;
+    stats.tokens *= world();
   }
+  return grads;
+}
+
+// The step's gradient norm, mean loss and learning rate.
+void Trainer::Impl::measure(const std::vector<at::Tensor>& grads, StepStats& stats) const {
   // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order. One
   // multi-tensor op (on CUDA a few launches of per-chunk partials summed in chunk order:
   // no atomics, so deterministic) instead of one reduction launch per tensor, which cost
@@ -672,8 +636,12 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   double loss_sum = 0;
   for (double l : stats.microbatch_losses) loss_sum += l;
   stats.loss = loss_sum / static_cast<double>(stats.microbatch_losses.size());
-  stats.lr = learning_rate_at(m.config, stats.step);
+  stats.lr = learning_rate_at(config, stats.step);
+}
 
+// True when every loss and the gradient norm are finite; false when not and
+// train.on_nonfinite is skip; Aborted, naming the first non-finite value, when it is stop.
+absl::StatusOr<bool> Trainer::Impl::check_finite(const StepStats& stats) const {
   std::string nonfinite;
   for (size_t i = 0; i < stats.microbatch_losses.size(); ++i) {
     if (!std::isfinite(stats.microbatch_losses[i]) && nonfinite.empty()) {
@@ -684,44 +652,46 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   if (nonfinite.empty() && !std::isfinite(stats.grad_norm)) {
     nonfinite = absl::StrCat("non-finite gradient norm ", stats.grad_norm);
   }
-  if (!nonfinite.empty() && m.config.train.on_nonfinite == OnNonfinite::kStop) {
+  if (!nonfinite.empty() && config.train.on_nonfinite == OnNonfinite::kStop) {
     return absl::AbortedError(absl::StrCat("step ", stats.step, ": ", nonfinite,
                                            "; stopping (train.on_nonfinite: stop)"));
   }
+  return nonfinite.empty();
+}
 
-  const double clip = m.config.optimizer.grad_clip;
+// Clips the gradients to optimizer.grad_clip and takes the optimizer step at stats.lr;
+// `grads` alias the masters' .grad.
+void Trainer::Impl::clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats) {
+  const double clip = config.optimizer.grad_clip;
   // One scale factor computed on the host: the same bits however the grads are laid out.
   double coef = 1.0;
-  if (nonfinite.empty() && clip > 0) coef = std::min(1.0, clip / (stats.grad_norm + 1e-6));
-  m.last_losses = stats.microbatch_losses;
-
-  if (nonfinite.empty()) {
-    if (m.config.optimizer.impl == OptimizerImpl::kFused) {
-      // Clips the grads (they alias the masters' .grad), updates the masters and, in mixed
-      // precision, writes the BF16 params (Note [Fused AdamW]).
-      m.fused_adamw_step(stats.lr, coef);
-    } else {
-      at::NoGradGuard no_grad;
-      if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
-      for (auto& group : m.optimizer->param_groups()) {
-        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
-      }
-      m.optimizer->step();
-      if (m.mixed()) at::_foreach_copy_(m.params, m.masters);
-    }
+  if (clip > 0) coef = std::min(1.0, clip / (stats.grad_norm + 1e-6));
+  if (config.optimizer.impl == OptimizerImpl::kFused) {
+    // Clips the grads (they alias the masters' .grad), updates the masters and, in mixed
+    // precision, writes the BF16 params (Note [Fused AdamW]).
+    fused_adamw_step(stats.lr, coef);
   } else {
-    stats.skipped = true;
+    at::NoGradGuard no_grad;
+    if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
+    for (auto& param_group : optimizer->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(param_group.options()).lr(stats.lr);
+    }
+    optimizer->step();
+    if (mixed()) at::_foreach_copy_(params, masters);
   }
-  // The gradients the optimizer consumed, kept for write_snapshot (the optimizer reads them
-  // and does not write them, so no copy is needed).
-  m.last_grads = std::move(grads);
-  for (at::Tensor& p : m.params) p.mutable_grad().reset();
-  for (at::Tensor& p : m.masters) p.mutable_grad().reset();
-  m.step = stats.step;
+}
+
+// Keeps the gradients the optimizer consumed for write_snapshot (the optimizer reads them
+// and does not write them, so no copy is needed), clears every .grad, advances the step
+// count and times the step.
+void Trainer::Impl::record(std::vector<at::Tensor> grads,
+                           std::chrono::steady_clock::time_point start, StepStats& stats) {
+  last_grads = std::move(grads);
+  clear_grads();
+  step = stats.step;
   stats.step_time_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.tokens_per_s = stats.step_time_s > 0 ? stats.tokens / stats.step_time_s : 0;
-  return stats;
 }
 
 io::NamedTensors Trainer::master_parameters() const {

@@ -65,7 +65,7 @@ struct StepStats {
   double host_queue_s = 0;
   double gpu_wait_s = 0;
   // Microbatches of this rank replayed from the CUDA graph (Note [Microbatch graphs] in
-  // trainer.cc); the others ran eagerly.
+  // gdr/microbatch_graphs.h); the others ran eagerly.
   int64_t graph_replays = 0;
   bool skipped = false;
 };
