@@ -71,7 +71,8 @@ struct TokenStrides {
 // along their length in 16-byte loads are padded by four floats (Note [Chunk prep shared
 // pitches] in kernels/gdr_core/chunk_prep_kernel.cuh), the C x C matrices also read down a
 // column by one, so that threads walking down a column hit distinct banks.
-// NOTE: keep in sync with the carve-up at the top of each kernel body.
+// NOTE: keep in sync with forward_smem and backward_smem, the layouts in
+// kernels/gdr_core/chunk_prep_kernel.cuh.
 inline int64_t chunk_prep_forward_smem_floats(int64_t dk, int64_t dv) {
   const int64_t C = kChunkPrepChunk;
   // The right-hand side [beta V | beta K exp(G)] lives in registers; a BF16 V is staged
