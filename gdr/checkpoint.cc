@@ -90,6 +90,7 @@ absl::Status write_checkpoint(const std::string& step_dir_in, const Checkpoint& 
       {"data_position", {{"epoch", st.data_position.epoch}, {"index", st.data_position.index}}},
       {"rng_cpu", st.rng_cpu_hex},
       {"config", st.config_text},
+      {"execution_policy", st.execution_policy},
       {"files", files},
   };
   const std::string state_text = state.dump(2) + "\n";
@@ -154,6 +155,10 @@ absl::StatusOr<Checkpoint> read_checkpoint(const std::string& step_dir_in) {
     checkpoint.state.data_position.index = state.at("data_position").at("index").get<int64_t>();
     checkpoint.state.rng_cpu_hex = state.at("rng_cpu").get<std::string>();
     checkpoint.state.config_text = state.at("config").get<std::string>();
+    // Absent in checkpoints written before the execution policy existed.
+    if (state.contains("execution_policy")) {
+      checkpoint.state.execution_policy = state.at("execution_policy").get<std::string>();
+    }
     for (const char* name : kTensorFiles) {
       const std::string path = io::join_path(dir, name);
       const std::string expected = state.at("files").at(name).at("sha256").get<std::string>();

@@ -6,7 +6,9 @@
 //                          rounded) and "<name>.step" (I64 scalar); empty before step 1
 //   state.json             {"format", "step", "data_position": {"epoch", "index"},
 //                           "rng_cpu": hex bytes of the CPU generator state, "config": the
-//                           effective run config text, "files": {name: {"sha256", "bytes"}}}
+//                           effective run config text, "execution_policy": the run's kernel
+//                           and determinism choices (describe_execution_policy), "files":
+//                           {name: {"sha256", "bytes"}}}
 //   COMPLETE               "sha256 <hex of state.json>\n", written last
 //
 // Note [Atomic checkpoint directories]: the files are written into a sibling directory
@@ -36,6 +38,8 @@ struct TrainingState {
   DataPosition data_position;
   std::string rng_cpu_hex;
   std::string config_text;
+  // describe_execution_policy of the run that wrote it ("" in older checkpoints).
+  std::string execution_policy;
 };
 
 struct Checkpoint {

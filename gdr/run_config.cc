@@ -35,17 +35,8 @@ using io::is_plain_yaml_scalar;
 template <typename T>
 absl::Status read_plain(const YAML::Node& node, const std::string& key, const std::string& file,
                         absl::string_view expected, T* out) {
-  auto wrong = [&] {
-    return key_error(file, key,
-                     absl::StrCat("expected ", expected, " but got ", describe_yaml_node(node)));
-  };
-  if (!is_plain_yaml_scalar(node)) return wrong();
-  try {
-    *out = node.as<T>();
-  } catch (const YAML::Exception&) {
-    return wrong();
-  }
-  return absl::OkStatus();
+  const auto problem = io::read_plain_yaml_scalar(node, std::string(expected), out);
+  return problem.has_value() ? key_error(file, key, *problem) : absl::OkStatus();
 }
 
 using Setter = std::function<absl::Status(const YAML::Node&, const std::string& key,
@@ -341,6 +332,10 @@ bool may_change_on_resume(absl::string_view dotted) {
       "schedule.total_steps"};  // compared by its effective value
   for (absl::string_view k : kFree) {
     if (k == dotted) return true;
+  }
+  // Kernel choices that compute the same bits whatever their value.
+  for (const ExecutionPolicyKey& key : execution_policy_keys()) {
+    if (key.same_bits && key.config_key == dotted) return true;
   }
   return false;
 }

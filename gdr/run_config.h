@@ -156,7 +156,9 @@ absl::StatusOr<ExecutionPolicy> execution_policy_for_run(
 // (`saved_config_text`, RunConfig::config_text of that run; `saved_source` names it in
 // errors) and `current`, leaving out what a resumed run may change without changing what
 // its steps compute: train.steps (unless it moves the schedule's end), log_every,
-// metrics_path, checkpoint_dir, checkpoint_every, snapshot_dir, on_nonfinite. Model keys
+// metrics_path, checkpoint_dir, checkpoint_every, snapshot_dir, on_nonfinite,
+// overlap_grad_reduction, cuda_graphs and the kernels: choices that give the same bits
+// (ExecutionPolicyKey::same_bits). Model keys
 // are compared as written. Empty when the resumed run continues the same computation.
 absl::StatusOr<std::vector<std::string>> resume_config_differences(
     const std::string& saved_config_text, const std::string& saved_source,

@@ -23,9 +23,8 @@
 #include "io/file_util.h"
 #include "ops/policy/determinism.h"
 #include "models/qwen/model.h"
-#include "ops/attention/attention_op.h"
 #include "ops/fused_adamw/fused_adamw_op.h"
-#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 
 namespace gdr {
 namespace {
@@ -119,8 +118,8 @@ std::string format_progress_line(const StepStats& s, int64_t total_steps) {
   return line;
 }
 
-std::string format_run_header(const RunConfig& config, int64_t parameters, int world,
-                              int64_t first_step) {
+std::string format_run_header(const RunConfig& config, const ExecutionPolicy& policy,
+                              int64_t parameters, int world, int64_t first_step) {
   const QwenConfig& m = config.model;
   const TrainConfig& t = config.train;
   int64_t linear = 0;
@@ -132,18 +131,16 @@ std::string format_run_header(const RunConfig& config, int64_t parameters, int w
                            : p >= 1e3 ? absl::StrFormat("%.1fK", p / 1e3)
                                       : absl::StrCat(parameters);
   const bool cuda = t.device == TrainDevice::kCuda;
-  const char* fusion = m.pre_gdr_fusion == PreGdrFusion::kNone   ? "none"
-                       : m.pre_gdr_fusion == PreGdrFusion::kGate ? "gate"
-                                                                 : "full";
+  const std::string fusion = execution_policy_value(policy, "pre_gdr_fusion");
   std::string line = absl::StrCat(
       "run: ", size, " parameters (", m.num_hidden_layers, " layers: ", linear,
       " linear_attention + ", full, " full_attention, hidden ", m.hidden_size, ") | ",
       cuda ? "cuda" : "cpu", " ", t.dtype == TrainDtype::kBFloat16 ? "bf16" : "fp32",
-      " | deterministic ", m.deterministic_mode ? "on" : "off", " | pre_gdr_fusion ", fusion);
+      " | deterministic ", policy.deterministic ? "on" : "off", " | pre_gdr_fusion ", fusion);
   if (cuda) {
-    absl::StrAppend(&line, " | gdr core ", to_string(gdr_core_impl()), ", prep ",
-                    to_string(gdr_core_prep()), " | attention ",
-                    attention_impl() == AttentionBackend::kCudnn ? "cudnn" : "aten");
+    absl::StrAppend(&line, " | gdr core ", execution_policy_value(policy, "gdr_core_impl"),
+                    ", prep ", execution_policy_value(policy, "gdr_core_prep"), " | attention ",
+                    execution_policy_value(policy, "attention"));
   }
   const int64_t tokens = static_cast<int64_t>(world) * t.grad_accum * config.data.micro_batch_size *
                          config.data.seq_len;
@@ -152,6 +149,22 @@ std::string format_run_header(const RunConfig& config, int64_t parameters, int w
                   t.grad_accum == 1 ? " microbatch" : " microbatches", " x ",
                   config.data.micro_batch_size, " x ", config.data.seq_len, ") | steps ",
                   first_step, "..", t.steps);
+  return line;
+}
+
+std::string format_policy_line(const ExecutionPolicy& policy,
+                               const std::vector<std::string>& from_environment) {
+  std::string line = absl::StrCat("execution policy: ", describe_execution_policy(policy));
+  if (!from_environment.empty()) {
+    std::vector<std::string> variables;
+    for (const ExecutionPolicyKey& key : execution_policy_keys()) {
+      if (std::find(from_environment.begin(), from_environment.end(), key.key) !=
+          from_environment.end()) {
+        variables.push_back(key.variable);
+      }
+    }
+    absl::StrAppend(&line, " (from the environment: ", absl::StrJoin(variables, ", "), ")");
+  }
   return line;
 }
 
@@ -186,6 +199,10 @@ struct LocalGradients {
 struct Trainer::Impl {
   RunConfig config;
   TokenWindows data;
+  // The run's kernel and determinism choices (Note [Execution policy]), current on the
+  // trainer's thread while it builds the model and runs steps.
+  ExecutionPolicy policy;
+  std::vector<std::string> policy_from_environment;  // keys a GDR_* variable set
   QwenForCausalLM model{nullptr};
   at::Device device{at::kCPU};
   std::vector<std::string> names;
@@ -293,8 +310,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       return s;
     }
   }
-  if (absl::Status s = apply_deterministic_mode(config.model); !s.ok()) return s;
-  apply_gdr_core_settings(config.model);
+  std::vector<std::string> policy_from_environment;
+  absl::StatusOr<ExecutionPolicy> policy =
+      execution_policy_for_run(config, nullptr, &policy_from_environment);
+  if (!policy.ok()) return policy.status();
+  if (absl::Status s = apply_deterministic_mode(*policy); !s.ok()) return s;
+  const ExecutionPolicyGuard policy_guard(*policy);
   at::Device device(at::kCPU);
   if (config.train.device == TrainDevice::kCuda) {
     if (!at::hasCUDA()) {
@@ -309,11 +330,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       TokenWindows::open(config.data, static_cast<uint64_t>(config.train.seed));
   if (!data.ok()) return data.status();
 
-  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data)});
+  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data), *policy,
+                                             std::move(policy_from_environment)});
   impl->device = device;
   impl->group = std::move(group);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
-  if (device.is_cuda() && config.train.cuda_graphs) {
+  if (device.is_cuda() && policy->cuda_graphs) {
     graph_capture = cuda_graph_capture();
     if (graph_capture == nullptr) {
       return absl::FailedPreconditionError(
@@ -358,6 +380,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
 }
 
 absl::StatusOr<StepStats> Trainer::train_step() {
+  const ExecutionPolicyGuard policy(impl_->policy);
   // Torch reports failures (e.g. an op with no deterministic path in deterministic mode)
   // as exceptions; they become errors naming the step.
   try {
@@ -715,6 +738,33 @@ io::NamedTensors Trainer::optimizer_tensors() const {
   return out;
 }
 
+namespace {
+
+// A resumed run must compute what the saved run would have: its execution policy may differ
+// only in choices that give the same bits (ExecutionPolicyKey::same_bits). Checkpoints
+// written before the policy existed ("") are not checked.
+absl::Status check_same_bits_policy(const std::string& saved, const ExecutionPolicy& current,
+                                    const std::string& step_dir) {
+  if (saved.empty()) return absl::OkStatus();
+  std::vector<std::string> differing;
+  for (const std::string& key :
+       execution_policy_differences(saved, describe_execution_policy(current))) {
+    bool same_bits = false;
+    for (const ExecutionPolicyKey& k : execution_policy_keys()) {
+      if (k.key == key) same_bits = k.same_bits;
+    }
+    if (!same_bits) differing.push_back(key);
+  }
+  if (differing.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      step_dir, ": the checkpoint was written under a different execution policy (",
+      absl::StrJoin(differing, ", "),
+      "; from the run config's kernels: section or GDR_* variables); resuming would not "
+      "continue the same run (allow_config_change overrides this)"));
+}
+
+}  // namespace
+
 Checkpoint Trainer::capture() const {
   Checkpoint c;
   c.model = master_parameters();
@@ -723,6 +773,7 @@ Checkpoint Trainer::capture() const {
   c.state.data_position = impl_->data.position();
   c.state.rng_cpu_hex = hex_encode(cpu_rng_state());
   c.state.config_text = impl_->config.config_text;
+  c.state.execution_policy = describe_execution_policy(impl_->policy);
   return c;
 }
 
@@ -745,6 +796,10 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
           *step_dir, ": the checkpoint was written with a different config (",
           absl::StrJoin(*differing, ", "),
           "); resuming would not continue the same run (allow_config_change overrides this)"));
+    }
+    if (absl::Status s = check_same_bits_policy(ckpt->state.execution_policy, m.policy, *step_dir);
+        !s.ok()) {
+      return s;
     }
   }
   if (absl::Status s =
@@ -824,7 +879,8 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
 //     the optimizer consumed (accumulated over the microbatches, after clipping),
 //     "adam/<name>.exp_avg|exp_avg_sq|step" after the step, "rng/cpu" U8 generator state,
 //     "data/position" I64 [2] = {epoch, index} of the next window;
-//   snapshot.json: step, losses and data position as text for people to read.
+//   snapshot.json: step, losses, data position and the execution policy as text for people
+//   to read.
 // Nothing time-dependent is written, so equal runs give byte-equal directories.
 absl::Status Trainer::write_snapshot(const std::string& dir) const {
   const Impl& m = *impl_;
@@ -857,6 +913,7 @@ absl::Status Trainer::write_snapshot(const std::string& dir) const {
       {"step", m.step},
       {"microbatch_losses", m.last_losses},
       {"data_position", {{"epoch", m.data.position().epoch}, {"index", m.data.position().index}}},
+      {"execution_policy", describe_execution_policy(m.policy)},
   };
   return io::write_file_atomically(io::join_path(step_dir, "snapshot.json"), json.dump(2) + "\n");
 }
@@ -880,8 +937,14 @@ absl::Status Trainer::run(std::ostream& log) {
   if (rank0 && impl_->step < tc.steps) {
     int64_t parameters = 0;
     for (const at::Tensor& p : impl_->params) parameters += p.numel();
-    log << format_run_header(impl_->config, parameters, impl_->world(), impl_->step + 1)
-        << std::endl;
+    log << format_run_header(impl_->config, impl_->policy, parameters, impl_->world(),
+                             impl_->step + 1)
+        << std::endl
+        << format_policy_line(impl_->policy, impl_->policy_from_environment) << std::endl;
+    for (const std::string& name : unknown_gdr_environment_variables()) {
+      log << "warning: " << name << " is set but no part of gdr reads it (a misspelt switch?)"
+          << std::endl;
+    }
   }
   while (impl_->step < tc.steps) {
     absl::StatusOr<StepStats> stats = train_step();

@@ -21,8 +21,15 @@
 // the masters, and the masters are rounded back into the BF16 model after every step.
 // Checkpoints store the masters, so resuming loses nothing to rounding.
 //
-// Determinism: with model.deterministic_mode the trainer calls apply_deterministic_mode()
-// before building anything. Everything that decides a step's result is then a function of
+// Execution policy: create() builds the run's policy once (execution_policy_for_run in
+// gdr/run_config.h: the config's kernels: section, model.deterministic_mode,
+// model.pre_gdr_fusion, train.cuda_graphs and the GDR_* overrides), applies its determinism
+// (apply_deterministic_mode) before building anything, and makes it current on the
+// trainer's thread whenever the trainer runs ops; checkpoints and snapshots record it, and
+// resume() refuses a checkpoint whose policy differs in a choice that changes the bits.
+//
+// Determinism: with model.deterministic_mode (or GDR_DETERMINISTIC=1) the trainer turns on
+// PyTorch's deterministic algorithms before building anything. Everything that decides a step's result is then a function of
 // (config, seed, data, checkpoint): init from init_qwen_weights(seed), the data order from
 // TokenWindows, the clip factor computed on the host. The default CPU generator is seeded
 // from train.seed (it starts nondeterministic in every process); its state is saved and
@@ -85,8 +92,14 @@ std::string format_progress_line(const StepStats& stats, int64_t total_steps);
 //  cuda bf16 | deterministic on | pre_gdr_fusion gate | gdr core kernel, prep kernel |
 //  attention cudnn | 8192 tokens per step (1 rank x 4 microbatches x 1 x 2048) |
 //  steps 1..30"
-std::string format_run_header(const RunConfig& config, int64_t parameters, int world,
-                              int64_t first_step);
+std::string format_run_header(const RunConfig& config, const ExecutionPolicy& policy,
+                              int64_t parameters, int world, int64_t first_step);
+
+// The line after it: the whole execution policy (Note [Execution policy]), e.g.
+// "execution policy: deterministic=true ... cuda_graphs=true (from the environment:
+//  GDR_ATTENTION)", naming the GDR_* variables that changed it.
+std::string format_policy_line(const ExecutionPolicy& policy,
+                               const std::vector<std::string>& from_environment);
 
 class Trainer {
  public:

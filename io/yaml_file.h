@@ -5,6 +5,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -21,5 +22,22 @@ std::string describe_yaml_node(const YAML::Node& node);
 // A plain (unquoted) scalar. A quoted scalar ("64") carries the non-specific tag "!": it is
 // a string, not a number or a bool, even though yaml-cpp would convert it.
 bool is_plain_yaml_scalar(const YAML::Node& node);
+
+// Reads a plain scalar as T (an integer, number or bool type) into `out`. Returns the
+// problem, "expected <expected> but got <node>" (describe_yaml_node), when the node is not
+// a plain scalar or does not convert; nullopt when it read. The config loaders put their
+// "<file>: <key>: " in front.
+template <typename T>
+std::optional<std::string> read_plain_yaml_scalar(const YAML::Node& node,
+                                                  const std::string& expected, T* out) {
+  const std::string problem = "expected " + expected + " but got " + describe_yaml_node(node);
+  if (!is_plain_yaml_scalar(node)) return problem;
+  try {
+    *out = node.as<T>();
+  } catch (const YAML::Exception&) {
+    return problem;
+  }
+  return std::nullopt;
+}
 
 }  // namespace gdr::io

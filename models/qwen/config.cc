@@ -55,22 +55,12 @@ struct Source {
 };
 
 using io::describe_yaml_node;
-using io::is_plain_yaml_scalar;
 
 template <typename T>
 absl::Status read_plain(const YAML::Node& node, absl::string_view key, const Source& source,
                         absl::string_view expected, T* out) {
-  auto wrong = [&] {
-    return source.error(key,
-                        absl::StrCat("expected ", expected, " but got ", describe_yaml_node(node)));
-  };
-  if (!is_plain_yaml_scalar(node)) return wrong();
-  try {
-    *out = node.as<T>();
-  } catch (const YAML::Exception&) {
-    return wrong();
-  }
-  return absl::OkStatus();
+  const auto problem = io::read_plain_yaml_scalar(node, std::string(expected), out);
+  return problem.has_value() ? source.error(key, *problem) : absl::OkStatus();
 }
 
 absl::Status read_int(const YAML::Node& node, absl::string_view key, const Source& source,

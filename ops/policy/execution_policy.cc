@@ -261,8 +261,14 @@ bool operator==(const ExecutionPolicy& a, const ExecutionPolicy& b) {
 
 const std::vector<ExecutionPolicyKey>& execution_policy_keys() {
   static const std::vector<ExecutionPolicyKey> keys = [] {
+    static const std::set<std::string> same_bits = {
+        "deterministic_fill_uninitialized_memory", "pre_gdr_gate_ordered", "chunk_gemm_overlap",
+        "rms_norm_kernel", "add_rms_norm", "gated_activation", "rope", "cuda_graphs"};
     std::vector<ExecutionPolicyKey> k;
-    for (const Choice& c : choices()) k.push_back(c.key);
+    for (const Choice& c : choices()) {
+      k.push_back(c.key);
+      k.back().same_bits = same_bits.count(c.key.key) > 0;
+    }
     return k;
   }();
   return keys;

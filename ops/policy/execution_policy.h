@@ -22,7 +22,7 @@
 // Determinism is the exception that keeps the seed contract: use_deterministic_mode()
 // (ops/policy/determinism.h) is still read at every call from its in-process override,
 // GDR_DETERMINISTIC and PyTorch's deterministicAlgorithms(). The policy's `deterministic`
-// field is what the run asked for; apply_deterministic_mode (models/qwen) turns PyTorch's
+// field is what the run asked for; apply_deterministic_mode (ops/policy/determinism.h) turns PyTorch's
 // switch on from it at start-up, which use_deterministic_mode() then sees.
 #pragma once
 
@@ -116,6 +116,11 @@ struct ExecutionPolicyKey {
   std::vector<std::string> values;  // {"fused", "composite"}; the gate tile: {"auto", "TxHxTHREADS"}
   std::string default_value;        // "fused"
   std::string what;
+  // Every value computes the same bits (a scheduling or launch choice: the gate's ordered
+  // variant, the GEMM overlap, the residual add's place, the norm's kernel variant, CUDA
+  // graphs, the debugging fill; or fused kernels that round where the ATen ops round: the
+  // gated activations, RoPE); a resumed run may change it.
+  bool same_bits = false;
 };
 
 // Every choice, in the order describe_execution_policy prints them.
