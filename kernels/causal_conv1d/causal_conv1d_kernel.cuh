@@ -35,13 +35,6 @@ namespace gdr::kernels::causal_conv_detail {
 constexpr int kForwardTokensInFlight = 4;
 constexpr int kBackwardTokensInFlight = 8;
 
-// The value an FP32 result has once stored in T and read back (the ATen composition's
-// intermediate stores).
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return StorageElement<T>::to_float(StorageElement<T>::from_float(v));
-}
-
 // at::silu's opmath formula, p / (1 + exp(-p)).
 __device__ __forceinline__ float silu(float p) { return p / (1.0f + expf(-p)); }
 

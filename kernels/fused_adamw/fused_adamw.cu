@@ -24,8 +24,9 @@
 //     `1 - ::pow(float beta, float step)` (at::native::pow_ on float/float is ::pow, which
 //     CUDA's math_functions.hpp maps to powf) and std::sqrt (sqrtf); step is the float
 //     ATen's state_steps tensor would hold after its += 1 (exact below 2^24 steps);
-//   - the BF16 store is __float2bfloat16 (round to nearest even), which is what
-//     c10::BFloat16(float) calls on sm_80+ in _foreach_copy_'s cast.
+//   - the BF16 store is StorageElement<__nv_bfloat16>::from_float (kernels/common/storage_element.cuh),
+//     __float2bfloat16_rn (round to nearest even, the same cvt.rn as __float2bfloat16), which
+//     is what c10::BFloat16(float) calls on sm_80+ in _foreach_copy_'s cast.
 // What this relies on: ATen and kernels/BUILD both compile with nvcc's defaults for
 // floating point (--fmad=true, --prec-div=true, --prec-sqrt=true, --ftz=false; no
 // --use_fast_math; third_party/cuda/defs.bzl CUDA_COPTS adds none of those flags), so '/'
@@ -41,6 +42,7 @@
 #include <cmath>
 
 #include "kernels/fused_adamw/fused_adamw.h"
+#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
@@ -122,9 +124,8 @@ __global__ void __launch_bounds__(kThreads)
     *reinterpret_cast<float4*>(exp_avg + i) = m;
     *reinterpret_cast<float4*>(exp_avg_sq + i) = v;
     if (bf16 != nullptr) {
-      __nv_bfloat16 b[kVec] = {__float2bfloat16(p.x), __float2bfloat16(p.y), __float2bfloat16(p.z),
-                               __float2bfloat16(p.w)};
-      *reinterpret_cast<uint2*>(bf16 + i) = *reinterpret_cast<const uint2*>(b);
+      const float updated[kVec] = {p.x, p.y, p.z, p.w};
+      store_floats<__nv_bfloat16, kVec>(bf16 + i, updated);  // one 8-byte store
     }
   }
   for (int i = vector_end + threadIdx.x; i < n; i += kThreads) {
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
     if (scale_grad) grad[i] = g;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
-    if (bf16 != nullptr) bf16[i] = __float2bfloat16(p);
+    if (bf16 != nullptr) store_float(bf16 + i, p);
   }
 }
 

@@ -19,16 +19,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond: ~60 blocks per SM on an H200
 
-template <typename T>
-__device__ __forceinline__ float load_float(const T* p) {
-  return StorageElement<T>::to_float(*p);
-}
-
-// The value an ATen op would have stored: FP32 math rounded to T (identity for FP32).
-template <typename T>
-__device__ __forceinline__ float stored(float v) {
-  return StorageElement<T>::to_float(StorageElement<T>::from_float(v));
-}
+// round_to<T> (kernels/common/storage_element.cuh) below is the value an ATen op would have
+// stored: FP32 math rounded to T (identity for FP32).
 
 // ATen's formulas (silu_kernel, sigmoid_kernel_cuda), FP32 opmath.
 template <GatedActivation A>
@@ -49,7 +41,7 @@ __device__ __forceinline__ int64_t offset_of(const GatedOperand& op, int64_t num
 
 template <typename T, GatedActivation A>
 __device__ __forceinline__ float forward_value(float gate, float x) {
-  return stored<T>(activation<A>(gate)) * x;  // mul(act(gate), x): FP32 product of stored values
+  return round_to<T>(activation<A>(gate)) * x;  // mul(act(gate), x): FP32 product of stored values
 }
 
 // (grad_gate, grad_x) of one element. grad_x = dy * a (mul's backward); da = dy * x is
@@ -59,14 +51,14 @@ __device__ __forceinline__ float forward_value(float gate, float x) {
 template <typename T, GatedActivation A>
 __device__ __forceinline__ void backward_values(float dy, float gate, float x, float& grad_gate,
                                                 float& grad_x) {
-  const float a = stored<T>(activation<A>(gate));
+  const float a = round_to<T>(activation<A>(gate));
   grad_x = dy * a;
-  const float da = stored<T>(dy * x);
+  const float da = round_to<T>(dy * x);
   if constexpr (A == GatedActivation::kSilu) {
     const float sig = 1.0f / (1.0f + expf(-gate));
     grad_gate = da * sig * (1.0f + gate * (1.0f - sig));
   } else {
-    grad_gate = stored<T>(da * stored<T>(1.0f - a)) * a;
+    grad_gate = round_to<T>(da * round_to<T>(1.0f - a)) * a;
   }
 }
 

@@ -11,68 +11,15 @@
 #include <cstdint>
 
 #include "kernels/gdr_core/chunk_layout.h"
+#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
 
-constexpr int kVec = 8;  // dv elements per thread
+// dv elements per thread: one 16-byte access for the 16-bit types, two for FP32
+// (load_floats / store_floats of kernels/common/storage_element.cuh).
+constexpr int kVec = 8;
 constexpr int kThreads = 256;
-
-struct alignas(16) Float4 {
-  float x, y, z, w;
-};
-
-template <typename T>
-struct Vec8;  // 8 elements of T in one (or two) aligned vector accesses
-
-template <>
-struct Vec8<float> {
-  __device__ static void load(const float* p, float (&v)[kVec]) {
-    const Float4 a = reinterpret_cast<const Float4*>(p)[0];
-    const Float4 b = reinterpret_cast<const Float4*>(p)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  }
-  __device__ static void store(float* p, const float (&v)[kVec]) {
-    reinterpret_cast<Float4*>(p)[0] = Float4{v[0], v[1], v[2], v[3]};
-    reinterpret_cast<Float4*>(p)[1] = Float4{v[4], v[5], v[6], v[7]};
-  }
-};
-
-template <typename Half2, Half2 (*kPack)(float, float), float2 (*kUnpack)(Half2)>
-struct Vec8Half {
-  template <typename T>
-  __device__ static void load(const T* p, float (&v)[kVec]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = kUnpack(*reinterpret_cast<const Half2*>(&words[i]));
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
-  }
-  template <typename T>
-  __device__ static void store(T* p, const float (&v)[kVec]) {
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const Half2 h = kPack(v[2 * i], v[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-    *reinterpret_cast<uint4*>(p) = uint4{words[0], words[1], words[2], words[3]};
-  }
-};
-
-__device__ __nv_bfloat162 pack_bf16(float a, float b) { return __floats2bfloat162_rn(a, b); }
-__device__ float2 unpack_bf16(__nv_bfloat162 h) { return __bfloat1622float2(h); }
-__device__ __half2 pack_f16(float a, float b) { return __floats2half2_rn(a, b); }
-__device__ float2 unpack_f16(__half2 h) { return __half22float2(h); }
-
-template <>
-struct Vec8<__nv_bfloat16> : Vec8Half<__nv_bfloat162, pack_bf16, unpack_bf16> {};
-template <>
-struct Vec8<__half> : Vec8Half<__half2, pack_f16, unpack_f16> {};
 
 // The thread's vector of 8 dv elements in a row-major walk of a [rows, dv] destination:
 // the destination row and the first column. Index: int32_t when every element offset
@@ -107,8 +54,8 @@ __global__ void __launch_bounds__(kThreads)
   const Index t = bt % x.tokens;
   const Index b = bt / x.tokens;
   float v[kVec];
-  Vec8<float>::load(chunks + ((b * x.heads + h) * x.chunk_rows + t) * x.dv + x.column, v);
-  Vec8<T>::store(tokens + x.row * x.dv + x.column, v);
+  load_floats<float, kVec>(chunks + ((b * x.heads + h) * x.chunk_rows + t) * x.dv + x.column, v);
+  store_floats<T, kVec>(tokens + x.row * x.dv + x.column, v);
 }
 
 // Destination order: (b, h, r, vector); padding rows get zeros.
@@ -124,12 +71,12 @@ __global__ void __launch_bounds__(kThreads)
   const Index b = bh / x.heads;
   float v[kVec];
   if (r < x.tokens) {
-    Vec8<T>::load(tokens + ((b * x.tokens + r) * x.heads + h) * x.dv + x.column, v);
+    load_floats<T, kVec>(tokens + ((b * x.tokens + r) * x.heads + h) * x.dv + x.column, v);
   } else {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
   }
-  Vec8<float>::store(chunks + x.row * x.dv + x.column, v);
+  store_floats<float, kVec>(chunks + x.row * x.dv + x.column, v);
 }
 
 // Calls fn(T{}, Index{}) for the storage type and the narrowest index that holds every

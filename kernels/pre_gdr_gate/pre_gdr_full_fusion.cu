@@ -31,6 +31,7 @@
 
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion.h"
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion_math.h"
+#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
@@ -38,69 +39,46 @@ namespace {
 constexpr int kThreads = kFullFusionWarps * 32;
 constexpr int kTaps = kFullFusionConvTaps;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // The unfused path stores the conv output, the SiLU output and their gradients in the
-// activation dtype; rounding through it here reproduces those values.
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
+// activation dtype; round_to<In> (kernels/common/storage_element.cuh) reproduces those values.
 
 // kN contiguous elements at p as floats; `vec`: p is aligned to kN * sizeof(T) bytes, so
-// the row moves in 16-byte (or smaller) vector accesses.
+// the row moves in 16-byte (or smaller) vector accesses. Built from storage_element.cuh's
+// Pack, load_pack and StorageElement in this loop form, not from its load_floats /
+// store_floats / load_float: with those nvcc's code here changed (the FP32
+// full_fusion_forward_kernel<float, 8, 4> grew by ~1200 SASS instructions, the 16-bit
+// kernels' scalar loads became read-only-path loads).
 template <int kN, typename T>
 __device__ __forceinline__ void load_row(const T* __restrict__ p, bool vec, float (&out)[kN]) {
-  constexpr int kChunk = (kN * sizeof(T) > 16) ? 16 / sizeof(T) : kN;
   if (vec) {
+    constexpr int kChunk = kPackElements<T, kN>;
 #pragma unroll
     for (int c = 0; c < kN / kChunk; ++c) {
-      const Pack<T, kChunk> pack = *reinterpret_cast<const Pack<T, kChunk>*>(p + c * kChunk);
+      const Pack<T, kChunk> pack = load_pack<T, kChunk>(p + c * kChunk);
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) out[c * kChunk + i] = to_float(pack.v[i]);
+      for (int i = 0; i < kChunk; ++i) out[c * kChunk + i] = StorageElement<T>::to_float(pack.v[i]);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) out[i] = to_float(p[i]);
+    for (int i = 0; i < kN; ++i) out[i] = StorageElement<T>::to_float(p[i]);
   }
 }
 
 template <int kN, typename T>
 __device__ __forceinline__ void store_row(T* __restrict__ p, bool vec, const float (&in)[kN]) {
-  constexpr int kChunk = (kN * sizeof(T) > 16) ? 16 / sizeof(T) : kN;
   if (vec) {
+    constexpr int kChunk = kPackElements<T, kN>;
 #pragma unroll
     for (int c = 0; c < kN / kChunk; ++c) {
       Pack<T, kChunk> pack;
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) pack.v[i] = from_float<T>(in[c * kChunk + i]);
+      for (int i = 0; i < kChunk; ++i)
+        pack.v[i] = StorageElement<T>::from_float(in[c * kChunk + i]);
       *reinterpret_cast<Pack<T, kChunk>*>(p + c * kChunk) = pack;
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) p[i] = from_float<T>(in[i]);
+    for (int i = 0; i < kN; ++i) p[i] = StorageElement<T>::from_float(in[i]);
   }
 }
 
@@ -148,7 +126,8 @@ __device__ __forceinline__ void load_weights(const In* __restrict__ conv_weight,
   for (int i = 0; i < kN; ++i) {
 #pragma unroll
     for (int j = 0; j < kTaps; ++j)
-      w[i][j] = active ? to_float(conv_weight[(channel + i) * kTaps + j]) : 0.0f;
+      w[i][j] =
+          active ? StorageElement<In>::to_float(conv_weight[(channel + i) * kTaps + j]) : 0.0f;
   }
 }
 

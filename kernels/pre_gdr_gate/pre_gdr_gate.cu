@@ -21,22 +21,10 @@
 #include "kernels/pre_gdr_gate/pre_gdr_gate.h"
 #include "kernels/pre_gdr_gate/pre_gdr_gate_element.cuh"
 #include "kernels/pre_gdr_gate/pre_gdr_gate_math.h"
-#include "kernels/pre_gdr_gate/pre_gdr_gate_vec.cuh"
+#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
-
-__device__ __forceinline__ float load_as_float(const float* p) { return __ldg(p); }
-__device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(__ldg(p)); }
-__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) {
-  return __bfloat162float(__ldg(p));
-}
-
-__device__ __forceinline__ void store_from_float(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_from_float(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
 
 // Division by a runtime constant as a multiply-high and a shift (the magic-number method
 // PyTorch's IntDivider uses): the kernels divide twice per element (flat index -> token,
@@ -148,8 +136,8 @@ __global__ void __launch_bounds__(kForwardThreads)
   const bool use_table = num_heads <= kForwardTableHeads;
   if (use_table) {
     for (Index h = threadIdx.x; h < num_heads; h += kForwardThreads) {
-      neg_exp_A_table[h] = -expf(load_as_float(A_log + h));
-      dt_table[h] = load_as_float(dt_bias + h);
+      neg_exp_A_table[h] = -expf(load_float_ldg(A_log + h));
+      dt_table[h] = load_float_ldg(dt_bias + h);
     }
     __syncthreads();
   }
@@ -165,13 +153,13 @@ __global__ void __launch_bounds__(kForwardThreads)
       const Index h = e - token * num_heads;
       head[item] = h;
       if constexpr (kFlat) {
-        a_val[item] = load_as_float(a + e);
-        b_val[item] = load_as_float(b + e);
+        a_val[item] = load_float_ldg(a + e);
+        b_val[item] = load_float_ldg(b + e);
       } else {
         Index i0, i1;
         dec.split(token, i0, i1);
-        a_val[item] = load_as_float(a + strided_offset(args.a, i0, i1, h));
-        b_val[item] = load_as_float(b + strided_offset(args.b, i0, i1, h));
+        a_val[item] = load_float_ldg(a + strided_offset(args.a, i0, i1, h));
+        b_val[item] = load_float_ldg(b + strided_offset(args.b, i0, i1, h));
       }
     }
   }
@@ -180,8 +168,8 @@ __global__ void __launch_bounds__(kForwardThreads)
     const Index e = base + item * kForwardThreads;
     if (e < total) {
       const Index h = head[item];
-      const float neg_exp_A = use_table ? neg_exp_A_table[h] : -expf(load_as_float(A_log + h));
-      const float dt = use_table ? dt_table[h] : load_as_float(dt_bias + h);
+      const float neg_exp_A = use_table ? neg_exp_A_table[h] : -expf(load_float_ldg(A_log + h));
+      const float dt = use_table ? dt_table[h] : load_float_ldg(dt_bias + h);
       args.g[e] = neg_exp_A * gate_softplus(a_val[item] + dt);
       args.beta[e] = gate_sigmoid(b_val[item]);
     }
@@ -209,8 +197,8 @@ __global__ void __launch_bounds__(kForwardThreads)
   __shared__ float dt_table[kForwardTableHeads];
   const int32_t heads = lanes * kForwardVec;
   for (int32_t h = threadIdx.x; h < heads; h += blockDim.x) {
-    neg_exp_A_table[h] = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
-    dt_table[h] = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
+    neg_exp_A_table[h] = -expf(load_float_ldg(static_cast<const Param*>(args.A_log) + h));
+    dt_table[h] = load_float_ldg(static_cast<const Param*>(args.dt_bias) + h);
   }
   __syncthreads();
   // row_group = (blockDim.x / lanes) * heads elements: the threads past the last full
@@ -232,8 +220,8 @@ __global__ void __launch_bounds__(kForwardThreads)
   for (int item = 0; item < kItems; ++item) {
     const int32_t e = base + item * row_group;
     if (e < total) {  // total is a multiple of kForwardVec: a vector is all in or all out
-      load_vec(a + e, a_val[item]);
-      load_vec(b + e, b_val[item]);
+      load_floats_ldg<In, kForwardVec>(a + e, a_val[item]);
+      load_floats_ldg<In, kForwardVec>(b + e, b_val[item]);
     }
   }
 #pragma unroll
@@ -246,8 +234,8 @@ __global__ void __launch_bounds__(kForwardThreads)
         g[j] = neg_exp_A[j] * gate_softplus_select(a_val[item][j] + dt[j]);
         beta[j] = gate_sigmoid(b_val[item][j]);
       }
-      *reinterpret_cast<float4*>(args.g + e) = make_float4(g[0], g[1], g[2], g[3]);
-      *reinterpret_cast<float4*>(args.beta + e) = make_float4(beta[0], beta[1], beta[2], beta[3]);
+      store_floats<float, kForwardVec>(args.g + e, g);
+      store_floats<float, kForwardVec>(args.beta + e, beta);
     }
   }
 }
@@ -307,8 +295,8 @@ __device__ __forceinline__ void gate_backward_rows_scalar(const GateBackwardArgs
 #pragma unroll
   for (int k = 0; k < kBackwardBatch; ++k) sum_A_log[k] = sum_dt_bias[k] = 0.0f;
   if (h < heads) {
-    const float neg_exp_A = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h));
-    const float dt = load_as_float(static_cast<const Param*>(args.dt_bias) + h);
+    const float neg_exp_A = -expf(load_float_ldg(static_cast<const Param*>(args.A_log) + h));
+    const float dt = load_float_ldg(static_cast<const Param*>(args.dt_bias) + h);
     for (Index t0 = t_begin + row; t0 < t_end; t0 += kBackwardBatch * rows) {
       float a_val[kBackwardBatch], b_val[kBackwardBatch], dg[kBackwardBatch], dbeta[kBackwardBatch];
 #pragma unroll
@@ -317,17 +305,17 @@ __device__ __forceinline__ void gate_backward_rows_scalar(const GateBackwardArgs
         if (t < t_end) {
           if constexpr (kFlat) {
             const Index e = t * heads + h;
-            a_val[k] = load_as_float(a + e);
-            b_val[k] = load_as_float(b + e);
-            dg[k] = load_as_float(grad_g + e);
-            dbeta[k] = load_as_float(grad_beta + e);
+            a_val[k] = load_float_ldg(a + e);
+            b_val[k] = load_float_ldg(b + e);
+            dg[k] = load_float_ldg(grad_g + e);
+            dbeta[k] = load_float_ldg(grad_beta + e);
           } else {
             Index i0, i1;
             dec.split(t, i0, i1);
-            a_val[k] = load_as_float(a + strided_offset(args.a, i0, i1, h));
-            b_val[k] = load_as_float(b + strided_offset(args.b, i0, i1, h));
-            dg[k] = load_as_float(grad_g + strided_offset(args.grad_g, i0, i1, h));
-            dbeta[k] = load_as_float(grad_beta + strided_offset(args.grad_beta, i0, i1, h));
+            a_val[k] = load_float_ldg(a + strided_offset(args.a, i0, i1, h));
+            b_val[k] = load_float_ldg(b + strided_offset(args.b, i0, i1, h));
+            dg[k] = load_float_ldg(grad_g + strided_offset(args.grad_g, i0, i1, h));
+            dbeta[k] = load_float_ldg(grad_beta + strided_offset(args.grad_beta, i0, i1, h));
           }
         }
       }
@@ -339,8 +327,8 @@ __device__ __forceinline__ void gate_backward_rows_scalar(const GateBackwardArgs
           gate_backward_element(a_val[k], b_val[k], dg[k], dbeta[k], neg_exp_A, dt, da_value,
                                 db_value, sum_A_log[k], sum_dt_bias[k]);
           const Index e = t * heads + h;
-          store_from_float(da + e, da_value);
-          store_from_float(db + e, db_value);
+          store_float(da + e, da_value);
+          store_float(db + e, db_value);
         }
       }
     }
@@ -384,8 +372,8 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
     float neg_exp_A[kBackwardVec], dt[kBackwardVec];
 #pragma unroll
     for (int j = 0; j < kBackwardVec; ++j) {
-      neg_exp_A[j] = -expf(load_as_float(static_cast<const Param*>(args.A_log) + h0 + j));
-      dt[j] = load_as_float(static_cast<const Param*>(args.dt_bias) + h0 + j);
+      neg_exp_A[j] = -expf(load_float_ldg(static_cast<const Param*>(args.A_log) + h0 + j));
+      dt[j] = load_float_ldg(static_cast<const Param*>(args.dt_bias) + h0 + j);
     }
     for (int32_t t0 = t_begin + vrow; t0 < t_end; t0 += kBackwardVecBatch * virtual_rows) {
       float a_val[kBackwardVecBatch][kBackwardVec], b_val[kBackwardVecBatch][kBackwardVec];
@@ -395,10 +383,10 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
         const int32_t t = t0 + k * virtual_rows;
         if (t < t_end) {
           const int32_t e = t * heads + h0;
-          load_vec(a + e, a_val[k]);
-          load_vec(b + e, b_val[k]);
-          load_vec(grad_g + e, dg[k]);
-          load_vec(grad_beta + e, dbeta[k]);
+          load_floats_ldg<In, kBackwardVec>(a + e, a_val[k]);
+          load_floats_ldg<In, kBackwardVec>(b + e, b_val[k]);
+          load_floats_ldg<float, kBackwardVec>(grad_g + e, dg[k]);
+          load_floats_ldg<float, kBackwardVec>(grad_beta + e, dbeta[k]);
         }
       }
 #pragma unroll
@@ -409,8 +397,8 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
           gate_backward_elements4(a_val[k], b_val[k], dg[k], dbeta[k], neg_exp_A, dt, da_value,
                                   db_value, sum_A_log, sum_dt_bias);
           const int32_t e = t * heads + h0;
-          store_vec(da + e, da_value);
-          store_vec(db + e, db_value);
+          store_floats<In, kBackwardVec>(da + e, da_value);
+          store_floats<In, kBackwardVec>(db + e, db_value);
         }
       }
     }
@@ -453,9 +441,9 @@ __device__ __forceinline__ void store_ordered_total(
 #pragma unroll 8
   for (int r = 0; r < kReduceRows; ++r) total += row_sums[r][lane];
   if (slot < heads) {
-    store_from_float(dA_log + slot, total);
+    store_float(dA_log + slot, total);
   } else {
-    store_from_float(ddt_bias + (slot - heads), total);
+    store_float(ddt_bias + (slot - heads), total);
   }
 }
 

@@ -13,7 +13,7 @@
 #include <numeric>
 
 #include "kernels/pre_gdr_gate/pre_gdr_gate_element.cuh"
-#include "kernels/pre_gdr_gate/pre_gdr_gate_vec.cuh"
+#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
@@ -25,10 +25,10 @@ template <typename In>
 __device__ __forceinline__ void load_operands(const GateRooflineArgs& args, int32_t v,
                                               float (&a)[4], float (&b)[4], float (&dg)[4],
                                               float (&dbeta)[4]) {
-  load_vec(static_cast<const In*>(args.a) + 4 * v, a);
-  load_vec(static_cast<const In*>(args.b) + 4 * v, b);
-  load_vec(args.grad_g + 4 * v, dg);
-  load_vec(args.grad_beta + 4 * v, dbeta);
+  load_floats_ldg<In, 4>(static_cast<const In*>(args.a) + 4 * v, a);
+  load_floats_ldg<In, 4>(static_cast<const In*>(args.b) + 4 * v, b);
+  load_floats_ldg<float, 4>(args.grad_g + 4 * v, dg);
+  load_floats_ldg<float, 4>(args.grad_beta + 4 * v, dbeta);
 }
 
 // One thread: head vectors v, v + stride, ... of the flat [tokens, heads] operands. The
@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kRooflineThreads)
         gate_backward_elements4(a, b, dg, dbeta, neg_exp_A, dt, da_value, db_value, sum_A_log,
                                 sum_dt_bias);
       }
-      store_vec(da + 4 * v, da_value);
-      store_vec(db + 4 * v, db_value);
+      store_floats<In, 4>(da + 4 * v, da_value);
+      store_floats<In, 4>(db + 4 * v, db_value);
     }
   }
   args.sink[first] = (sum_A_log[0] + sum_A_log[1]) + (sum_A_log[2] + sum_A_log[3]) +
@@ -90,7 +90,8 @@ int launch_for(const GateRooflineArgs& args, GateRooflineProbe probe, int64_t bl
                CUstream_st* stream) {
   const int32_t vectors = static_cast<int32_t>(args.tokens * args.heads / 4);
   auto kernel = gate_roofline_kernel<In, GateRooflineProbe::kTraffic>;
-  if (probe == GateRooflineProbe::kMath) kernel = gate_roofline_kernel<In, GateRooflineProbe::kMath>;
+  if (probe == GateRooflineProbe::kMath)
+    kernel = gate_roofline_kernel<In, GateRooflineProbe::kMath>;
   if (probe == GateRooflineProbe::kTrafficAndMath) {
     kernel = gate_roofline_kernel<In, GateRooflineProbe::kTrafficAndMath>;
   }

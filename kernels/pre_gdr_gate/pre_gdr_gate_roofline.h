@@ -26,9 +26,9 @@ enum class GateRooflineProbe { kTraffic, kMath, kTrafficAndMath };
 
 struct GateRooflineArgs {
   int64_t tokens = 0;
-  int64_t heads = 0;  // a multiple of 4
+  int64_t heads = 0;                              // a multiple of 4
   ScalarKind input_kind = ScalarKind::kBFloat16;  // a, b, da, db; A_log and dt_bias FP32
-  const void* a = nullptr;        // [tokens, heads] contiguous, 16-byte aligned
+  const void* a = nullptr;                        // [tokens, heads] contiguous, 16-byte aligned
   const void* b = nullptr;
   const float* grad_g = nullptr;  // [tokens, heads] contiguous, 16-byte aligned
   const float* grad_beta = nullptr;

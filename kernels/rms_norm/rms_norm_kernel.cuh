@@ -124,15 +124,6 @@ __device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const P
   return sum;
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& pack) {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<Pack<T, VEC>*>(p) = pack;
-#else
-  for (int k = 0; k < VEC; ++k) p[k] = pack.v[k];
-#endif
-}
-
 // dx rounded to the storage type, plus the stream gradient (the store rounds the total).
 // __fadd_rn: for FP32 storage the rounding is the identity, and nvcc would otherwise
 // contract rstd * (...) + ds into one FMA, which rounds once where autograd's separate add
@@ -141,7 +132,7 @@ template <typename T, int VEC>
 __device__ __forceinline__ void add_stream_gradient(float (&dx)[VEC], const float (&ds)[VEC]) {
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const float rounded = StorageElement<T>::to_float(StorageElement<T>::from_float(dx[k]));
+    const float rounded = round_to<T>(dx[k]);
 #if defined(__CUDA_ARCH__)
     dx[k] = __fadd_rn(rounded, ds[k]);
 #else

@@ -17,11 +17,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 16384;  // rows per launch before grid-striding
 
-template <typename T>
-__device__ __forceinline__ float load_as_float(const T* p) {
-  return StorageElement<T>::to_float(*p);
-}
-
 // Row r = (b H + h) T + t of the input and output, and position t's table rows.
 template <typename T>
 struct RowPointers {
@@ -63,18 +58,17 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs args) {
       float value;
       if constexpr (!kBackward) {
         // x cos + rh sin, rh[e] = -x[e + h] (e < h) or x[e - h].
-        const float rotated =
-            e < half ? -load_as_float(in + e + half) : load_as_float(in + e - half);
+        const float rotated = e < half ? -load_float(in + e + half) : load_float(in + e - half);
         value =
-            __fadd_rn(__fmul_rn(load_as_float(in + e), cos_row[e]), __fmul_rn(rotated, sin_row[e]));
+            __fadd_rn(__fmul_rn(load_float(in + e), cos_row[e]), __fmul_rn(rotated, sin_row[e]));
       } else {
         // g cos plus the rotated half's gradient: g[e + h] sin[e + h] (e < h) or
         // -(g[e - h] sin[e - h]).
-        const float other = e < half ? __fmul_rn(load_as_float(in + e + half), sin_row[e + half])
-                                     : -__fmul_rn(load_as_float(in + e - half), sin_row[e - half]);
-        value = __fadd_rn(__fmul_rn(load_as_float(in + e), cos_row[e]), other);
+        const float other = e < half ? __fmul_rn(load_float(in + e + half), sin_row[e + half])
+                                     : -__fmul_rn(load_float(in + e - half), sin_row[e - half]);
+        value = __fadd_rn(__fmul_rn(load_float(in + e), cos_row[e]), other);
       }
-      out[e] = StorageElement<T>::from_float(value);
+      store_float(out + e, value);
     }
   }
 }
@@ -103,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) rope_vec_kernel(const RopeArgs args)
     const float* sin_row = r.sin;
     for (int e0 = lane * V; e0 < args.head_dim; e0 += 32 * V) {
       if (e0 >= args.rotary) {
-        *reinterpret_cast<Pack<T, V>*>(out + e0) = load_pack<T, V>(in + e0);
+        store_pack<T, V>(out + e0, load_pack<T, V>(in + e0));
         continue;
       }
       const bool low = e0 < half;  // the whole vector is in one half

@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/common/storage_element.cuh"
 #include "kernels/tree_sum/tree_sum.h"
 
 namespace gdr::kernels {
@@ -18,32 +19,28 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
 
+// Four consecutive elements of one input (aligned to 4 elements) as a float4: one 16-byte
+// (FP32) or 8-byte (16-bit) load.
+template <typename T>
+__device__ __forceinline__ float4 load4_as(const void* base, int64_t at) {
+  float v[kVec];
+  load_floats<T, kVec>(static_cast<const T*>(base) + at, v);
+  return make_float4(v[0], v[1], v[2], v[3]);
+}
+
 __device__ __forceinline__ float4 load4(const void* base, TreeSumDtype dtype, int64_t at) {
   switch (dtype) {
-    case TreeSumDtype::kFloat32:
-      return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + at);
-    case TreeSumDtype::kBFloat16: {
-      const uint2 raw =
-          *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + at);
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      return make_float4(lo.x, lo.y, hi.x, hi.y);
-    }
-    default: {
-      const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + at);
-      const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-      const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-      return make_float4(lo.x, lo.y, hi.x, hi.y);
-    }
+    case TreeSumDtype::kFloat32: return load4_as<float>(base, at);
+    case TreeSumDtype::kBFloat16: return load4_as<__nv_bfloat16>(base, at);
+    default: return load4_as<__half>(base, at);
   }
 }
 
 __device__ __forceinline__ float load1(const void* base, TreeSumDtype dtype, int64_t at) {
   switch (dtype) {
-    case TreeSumDtype::kFloat32: return static_cast<const float*>(base)[at];
-    case TreeSumDtype::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at]);
-    default: return __half2float(static_cast<const __half*>(base)[at]);
+    case TreeSumDtype::kFloat32: return load_float(static_cast<const float*>(base) + at);
+    case TreeSumDtype::kBFloat16: return load_float(static_cast<const __nv_bfloat16*>(base) + at);
+    default: return load_float(static_cast<const __half*>(base) + at);
   }
 }
 
