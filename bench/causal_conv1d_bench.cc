@@ -36,21 +36,17 @@ constexpr int kWarmup = 10;
 constexpr int kRepeats = 50;
 constexpr int kPerGraph = 20;
 
-double median_ms(const std::function<void()>& fn) {
-  return bench::median_event_ms(fn, kWarmup, kRepeats);
-}
-
 // GPU time per call: kPerGraph calls captured in a CUDA graph (after 3 eager calls, in
 // which cuDNN picks its algorithms), median over replays; -1 when it cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
   return bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
-struct Timing {
-  double eager = 0, graph = 0;
-};
+using bench::Timing;
 
-Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph_ms(fn)}; }
+Timing time_both(const std::function<void()>& fn) {
+  return bench::median_eager_and_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
+}
 
 // Graph time of the copy baseline for `bytes` of compulsory traffic.
 double copy_ms(int64_t bytes) { return graph_ms(bench::device_copy(bytes)); }

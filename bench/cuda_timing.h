@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace gdr::bench {
@@ -48,13 +49,19 @@ class EventTimer {
   cudaEvent_t start_, stop_;
 };
 
+// The median of samples (the upper one of the middle two for an even count); samples must
+// not be empty.
+inline double median_of(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
 inline double median_event_ms(const std::function<void()>& fn, int warmup, int repeats) {
   for (int i = 0; i < warmup; ++i) fn();
   EventTimer timer;
   std::vector<double> samples;
   for (int i = 0; i < repeats; ++i) samples.push_back(timer.time_ms(fn));
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  return median_of(std::move(samples));
 }
 
 // The median of `pairs` per-pair time ratios numerator / denominator, the two calls
@@ -81,8 +88,7 @@ inline double median_paired_ratio(const std::function<void()>& numerator,
     }
     ratios.push_back(num / den);
   }
-  std::sort(ratios.begin(), ratios.end());
-  return ratios[ratios.size() / 2];
+  return median_of(std::move(ratios));
 }
 
 // GPU time of one call of `fn` without host overhead: `warmup_calls` eager calls on a side
@@ -107,6 +113,18 @@ inline double median_graph_ms(const std::function<void()>& fn, int calls_per_gra
     std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
     return -1.0;
   }
+}
+
+// One case timed both ways: eager (median_event_ms: events around one host call, so host
+// and launch overhead count) and graph (median_graph_ms: GPU time alone), in that order.
+struct Timing {
+  double eager = 0, graph = 0;
+};
+
+inline Timing median_eager_and_graph_ms(const std::function<void()>& fn, int calls_per_graph,
+                                        int warmup_calls, int warmup, int repeats) {
+  return {median_event_ms(fn, warmup, repeats),
+          median_graph_ms(fn, calls_per_graph, warmup_calls, warmup, repeats)};
 }
 
 // The bandwidth baseline of an op whose compulsory traffic is `bytes`: a device-to-device

@@ -28,13 +28,10 @@ constexpr int kWarmup = 10;
 constexpr int kRepeats = 50;
 constexpr int kPerGraph = 20;
 
-struct Timing {
-  double eager = 0, graph = 0;
-};
+using bench::Timing;
 
 Timing time_both(const std::function<void()>& fn) {
-  return {bench::median_event_ms(fn, kWarmup, kRepeats),
-          bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats)};
+  return bench::median_eager_and_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
 void print_row(const char* shape, at::ScalarType dtype, const char* what, const Timing& t,

@@ -27,13 +27,10 @@ constexpr int kWarmup = 10;
 constexpr int kRepeats = 50;
 constexpr int kPerGraph = 10;
 
-struct Timing {
-  double eager = 0, graph = 0;
-};
+using bench::Timing;
 
 Timing time_both(const std::function<void()>& fn) {
-  return {bench::median_event_ms(fn, kWarmup, kRepeats),
-          bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats)};
+  return bench::median_eager_and_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
 void bench_group(const char* name, const std::vector<int64_t>& outs) {

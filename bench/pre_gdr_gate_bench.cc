@@ -44,21 +44,17 @@ constexpr int kRepeats = 50;
 
 constexpr int kPerGraph = 20;
 
-double median_ms(const std::function<void()>& fn) {
-  return bench::median_event_ms(fn, kWarmup, kRepeats);
-}
-
 // GPU time per call: kPerGraph calls captured in a CUDA graph (after 3 eager calls, which
 // autotune), median over replays; -1 when the work cannot be captured.
 double graph_ms(const std::function<void()>& fn) {
   return bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
-struct Timing {
-  double eager = 0, graph = 0;
-};
+using bench::Timing;
 
-Timing time_both(const std::function<void()>& fn) { return {median_ms(fn), graph_ms(fn)}; }
+Timing time_both(const std::function<void()>& fn) {
+  return bench::median_eager_and_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
+}
 
 struct Shape {
   int64_t tokens, heads;
@@ -291,7 +287,8 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--help") {
       std::printf(
-          "usage: pre_gdr_gate_bench [--tiles] [--host] [--roofline] [--shapes=TxH,...] [--dtypes=bf16,f32]\n"
+          "usage: pre_gdr_gate_bench [--tiles] [--host] [--roofline] [--shapes=TxH,...] "
+          "[--dtypes=bf16,f32]\n"
           "  Times the pre-GDR gate (fused forward, atomic and ordered backward, fused vs\n"
           "  composite forward+backward) against a device copy of the same bytes.\n"
           "  --tiles   also time every candidate tile of the backward in both modes (each dtype)\n"

@@ -8,10 +8,7 @@
 // trainer's deterministic_mode; uninitialized-memory fill off as in
 // ops/policy/determinism.cc). GDR_CORE_IMPL (ops/gdr_core/gdr_core_op.h) picks the GDR core.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <cstring>
@@ -20,6 +17,7 @@
 #include <vector>
 
 #include "bench/bench_policy.h"
+#include "bench/cuda_timing.h"
 #include "bench/kernel_profile.h"
 #include "models/qwen/config.h"
 #include "models/qwen/model.h"
@@ -104,31 +102,21 @@ int main(int argc, char** argv) {
   const int64_t seq = 2048;
   const at::Tensor ids = at::randint(0, config->vocab_size, {1, seq},
                                      at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<Arm> ran;
   std::printf("| arm | fwd+bwd ms (median of 5) | tokens/s |\n|---|---|---|\n");
   for (const Arm& arm : arms) {
     try {
       set_deterministic(arm.deterministic);
       model->set_pre_gdr_fusion(arm.fusion);
-      std::vector<float> samples;
+      // 2 warm-up steps, then the median of 5 timed ones; zero_grad outside the events.
+      gdr::bench::EventTimer timer;
+      std::vector<double> samples;
       for (int i = 0; i < 7; ++i) {
-        cudaEvent_t start, stop;
-        cudaEventCreate(&start);
-        cudaEventCreate(&stop);
         model->zero_grad();
-        cudaEventRecord(start, stream);
-        model->loss(ids, ids).backward();
-        cudaEventRecord(stop, stream);
-        cudaEventSynchronize(stop);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, start, stop);
-        cudaEventDestroy(start);
-        cudaEventDestroy(stop);
+        const double ms = timer.time_ms([&] { model->loss(ids, ids).backward(); });
         if (i >= 2) samples.push_back(ms);
       }
-      std::sort(samples.begin(), samples.end());
-      const float median = samples[samples.size() / 2];
+      const double median = gdr::bench::median_of(samples);
       std::printf("| %s | %.1f | %.0f |\n", arm.name.c_str(), median, seq / (median * 1e-3));
       ran.push_back(arm);
     } catch (const std::exception& e) {

@@ -31,13 +31,10 @@ constexpr int kPerGraph = 5;
 constexpr int64_t kVocab = 248320;
 constexpr int64_t kHidden = 1024;
 
-struct Timing {
-  double eager = 0, graph = 0;
-};
+using bench::Timing;
 
 Timing time_both(const std::function<void()>& fn) {
-  return {bench::median_event_ms(fn, kWarmup, kRepeats),
-          bench::median_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats)};
+  return bench::median_eager_and_graph_ms(fn, kPerGraph, 3, kWarmup, kRepeats);
 }
 
 void print_row(int64_t tokens, at::ScalarType dtype, const char* what, const Timing& t) {
