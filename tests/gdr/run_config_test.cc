@@ -6,7 +6,9 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <string>
+#include <vector>
 
 namespace gdr {
 namespace {
@@ -178,11 +180,90 @@ INSTANTIATE_TEST_SUITE_P(
                   "",
                   {{"train.stepz", "5"}},
                   "--set train.stepz=5: train.stepz: unknown key"},
+        ErrorCase{"bad_kernel_choice",
+                  "kernels:\n  rms_norm: fast\n",
+                  {},
+                  "$: kernels.rms_norm: expected fused or composite, but got 'fast'"},
+        ErrorCase{"unknown_kernel_key",
+                  "kernels:\n  rms_norms: fused\n",
+                  {},
+                  "$: kernels.rms_norms: unknown key"},
+        ErrorCase{"bad_kernel_tile_via_set",
+                  "",
+                  {{"kernels.pre_gdr_gate_tile", "128x16"}},
+                  "$: kernels.pre_gdr_gate_tile: expected auto or a tile BLOCK_TxBLOCK_HxTHREADS "
+                  "of positive integers (e.g. 128x16x256), but got '128x16'"},
+        ErrorCase{"kernel_key_in_the_model_section",
+                  "",
+                  {{"model.attention_impl", "aten"}},
+                  "$: model.attention_impl: kernel choices moved to the run config's kernels: "
+                  "section; set kernels.attention instead"},
         ErrorCase{"override_unknown_section",
                   "",
                   {{"trainer.steps", "5"}},
                   "--set trainer.steps=5: trainer.steps: unknown key"}),
     [](const testing::TestParamInfo<ErrorCase>& info) { return std::string(info.param.name); });
+
+TEST(RunConfigTest, TheKernelsSectionSetsThePolicyWithTheModelAndTrainChoices) {
+  const std::string path = write_config(
+      "kernels.yaml", std::string(kModelSection) +
+                          "  deterministic_mode: true\n"
+                          "kernels:\n  attention: aten\n  pre_gdr_gate_tile: 128x16x256\n"
+                          "  chunk_gemm_wgmma: false\n"
+                          "train:\n  cuda_graphs: false\n");
+  const absl::StatusOr<RunConfig> c = load_run_config(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ExecutionPolicy p = file_execution_policy(*c);
+  EXPECT_EQ(p.attention, AttentionBackend::kAten);
+  ASSERT_TRUE(p.gate_tile.has_value());
+  EXPECT_EQ(*p.gate_tile, (kernels::GateTile{128, 16, 256}));
+  EXPECT_FALSE(p.chunk_gemm_wgmma);
+  EXPECT_TRUE(p.deterministic);
+  EXPECT_FALSE(p.cuda_graphs);
+  EXPECT_EQ(p.rms_norm, RmsNormImpl::kFused);  // not set: the default
+}
+
+TEST(RunConfigTest, TheEnvironmentOverridesTheFileAndIsNamedInErrors) {
+  const std::string path = write_config(
+      "kernels_env.yaml",
+      std::string(kModelSection) + "  pre_gdr_fusion: full\nkernels:\n  attention: cudnn\n");
+  const absl::StatusOr<RunConfig> c = load_run_config(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::map<std::string, std::string> env = {{"GDR_ATTENTION", "aten"}, {"GDR_ROPE", ""}};
+  auto get = [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  std::vector<std::string> from_env;
+  absl::StatusOr<ExecutionPolicy> p = execution_policy_for_run(*c, get, &from_env);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->attention, AttentionBackend::kAten);
+  EXPECT_EQ(from_env, std::vector<std::string>{"attention"});
+  env["GDR_ATTENTION"] = "flash";
+  EXPECT_EQ(execution_policy_for_run(*c, get).status().message(),
+            "GDR_ATTENTION: expected cudnn or aten, but got 'flash'");
+  env = {{"GDR_DETERMINISTIC", "1"}};
+  const absl::Status rule = execution_policy_for_run(*c, get).status();
+  EXPECT_EQ(rule.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rule.message(),
+            path +
+                " with the environment: deterministic_mode: true cannot be combined with "
+                "pre_gdr_fusion: full (the fully fused pre-GDR path has no ordered, "
+                "bit-reproducible backward); use pre_gdr_fusion: gate or none");
+}
+
+TEST(RunConfigTest, DeterministicModeWithFullFusionIsRefusedWhenTheFileIsLoaded) {
+  const std::string path =
+      write_config("det_full.yaml", std::string(kModelSection) +
+                                        "  pre_gdr_fusion: full\n  deterministic_mode: true\n");
+  const absl::Status status = load_run_config(path).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(),
+            path +
+                ": deterministic_mode: true cannot be combined with pre_gdr_fusion: full (the "
+                "fully fused pre-GDR path has no ordered, bit-reproducible backward); use "
+                "pre_gdr_fusion: gate or none");
+}
 
 TEST(RunConfigTest, MissingModelSectionIsAnError) {
   const std::string path = write_config("no_model.yaml", "train:\n  steps: 3\n");
@@ -227,7 +308,9 @@ TEST(ResumeConfigTest, OutputsAndLoggingMayChange) {
                                        {"train.checkpoint_dir", "ckpt"},
                                        {"train.metrics_path", "m.jsonl"},
                                        {"train.log_every", "5"},
-                                       {"train.cuda_graphs", "false"}}))
+                                       {"train.cuda_graphs", "false"},
+                                       {"kernels.chunk_gemm_overlap", "false"},
+                                       {"kernels.pre_gdr_gate_ordered", "two_pass"}}))
                   .empty());
 }
 
@@ -235,9 +318,10 @@ TEST(ResumeConfigTest, NamesEveryKeyThatChangesTheComputation) {
   EXPECT_EQ(differences(tiny(), tiny({{"optimizer.lr", "1e-3"},
                                       {"train.seed", "5"},
                                       {"optimizer.betas", "[0.9, 0.99]"},
-                                      {"model.rope_theta", "10000"}})),
+                                      {"model.rope_theta", "10000"},
+                                      {"kernels.attention", "aten"}})),
             (std::vector<std::string>{"model.rope_theta", "optimizer.lr", "optimizer.betas",
-                                      "train.seed"}));
+                                      "train.seed", "kernels.attention"}));
   // With total_steps 0 the schedule ends at train.steps, so changing it moves the LR.
   EXPECT_EQ(differences(tiny(), tiny({{"train.steps", "60"}})),
             (std::vector<std::string>{"schedule.total_steps (effective: 0 means train.steps)"}));

@@ -6,7 +6,7 @@
 #   4. a missing snapshot directory is missing evidence (exit 2);
 #   5. bad input: unknown flag, bad --set, corrupted checkpoint -> one error line, exit 2;
 #      token ids beyond model.vocab_size (found in step 1, after the run header) -> one
-#      error line, exit 1;
+#      error line, exit 1; an invalid GDR_* variable -> one error line naming it, exit 2;
 #   6. --help works for both binaries.
 set -u
 TRAIN="$1"
@@ -60,9 +60,17 @@ grep -q "checksum mismatch" "$OUT/last.log" || fail "$(cat "$OUT/last.log")"
 expect_rc 1 "token ids beyond the vocabulary" "$TRAIN" --config="$CONFIG" --set=train.steps=1 \
   --set=model.vocab_size=100
 grep -q "^train: error: step 1: token id [0-9]* at position [0-9]* of microbatch 1 is outside the vocabulary \[0, 100) of model.vocab_size; check that the data (.*) was tokenized for this model$" "$OUT/last.log" || fail "$(cat "$OUT/last.log")"
-# Found during step 1, so the run header (the first line of every run) precedes it.
-[ "$(wc -l < "$OUT/last.log")" -eq 2 ] && head -n 1 "$OUT/last.log" | grep -q "^run: " ||
-  fail "expected the run header and one error line: $(cat "$OUT/last.log")"
+# Found during step 1, so the run header and the execution policy (the first two lines of
+# every run) precede it.
+[ "$(wc -l < "$OUT/last.log")" -eq 3 ] && head -n 1 "$OUT/last.log" | grep -q "^run: " &&
+  sed -n 2p "$OUT/last.log" | grep -q "^execution policy: deterministic=" ||
+  fail "expected the run header, the policy line and one error line: $(cat "$OUT/last.log")"
+
+expect_rc 2 "an invalid GDR_* variable" env GDR_RMS_NORM=fast "$TRAIN" --config="$CONFIG" \
+  --set=train.steps=1
+grep -q "^train: error: GDR_RMS_NORM: expected fused or composite, but got 'fast'$" "$OUT/last.log" ||
+  fail "$(cat "$OUT/last.log")"
+[ "$(wc -l < "$OUT/last.log")" -eq 1 ] || fail "expected one error line: $(cat "$OUT/last.log")"
 
 expect_rc 0 "train --help" "$TRAIN" --help
 grep -q "^usage: train" "$OUT/last.log" || fail "train --help"

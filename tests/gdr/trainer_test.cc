@@ -254,6 +254,11 @@ TEST(TrainerTest, RunLogsProgressAndLearns) {
             "| cpu fp32 | deterministic on | pre_gdr_fusion gate | 512 tokens per step (1 rank x "
             "2 microbatches x 4 x 64) | steps 1..20")
       << log.str();
+  // The second line is the whole execution policy (Note [Execution policy]).
+  const size_t second = log.str().find('\n') + 1;
+  EXPECT_EQ(log.str().substr(second, log.str().find('\n', second) - second),
+            "execution policy: " + describe_execution_policy(file_execution_policy(config)))
+      << log.str();
   // The loss read back from the metrics file: the mean of the last 5 steps is well below
   // the first 3 (about 5.4 -> 3.3 on this config).
   std::ifstream metrics(config.train.metrics_path);

@@ -215,50 +215,54 @@ TEST(QwenConfig, FullFusionLoadsWhenDeterministicModeIsOff) {
   EXPECT_EQ(config->pre_gdr_fusion, PreGdrFusion::kFull);
 }
 
-TEST(QwenConfig, DeterministicModeWithFullFusionIsRejectedNamingBothKeys) {
-  const std::string path = write_file(
-      "det_full.yaml", with_lines("  pre_gdr_fusion: full\n  deterministic_mode: true\n"));
-  EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
-            path +
-                ": model.deterministic_mode: true cannot be combined with model.pre_gdr_fusion: "
-                "full (the fully fused pre-GDR path has no ordered, bit-reproducible backward); "
-                "use pre_gdr_fusion: gate or none");
-}
-
 TEST(QwenConfig, AnUnknownFusionLevelIsAnError) {
   const std::string path = write_file("fusion.yaml", with_lines("  pre_gdr_fusion: partial\n"));
   EXPECT_EQ(load_qwen_config_yaml(path).status().message(),
             path + ": model.pre_gdr_fusion: expected one of none, gate, full but got 'partial'");
 }
 
-TEST(QwenConfig, GdrCoreSwitchesLoadAndDefaultToUnset) {
+// The former kernel keys of the model section (gdr_core_impl, gdr_core_prep, attention_impl)
+// moved to the run config's kernels: section (the execution policy): a config without them
+// loads, and one with them, whatever the value, is an error naming the new key.
+TEST(QwenConfig, KernelKeysInTheModelSectionNameTheirPlaceInTheKernelsSection) {
   const std::string unset_path = write_file("core_unset.yaml", with_lines(""));
   const absl::StatusOr<QwenConfig> unset = load_qwen_config_yaml(unset_path);
   ASSERT_TRUE(unset.ok()) << unset.status();
-  EXPECT_EQ(unset->gdr_core_impl, "");
-  EXPECT_EQ(unset->gdr_core_prep, "");
-  EXPECT_EQ(unset->attention_impl, "");
-  const std::string path = write_file(
-      "core.yaml",
-      with_lines("  gdr_core_impl: composite\n  gdr_core_prep: kernel\n  attention_impl: aten\n"));
-  const absl::StatusOr<QwenConfig> config = load_qwen_config_yaml(path);
-  ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_EQ(config->gdr_core_impl, "composite");
-  EXPECT_EQ(config->gdr_core_prep, "kernel");
-  EXPECT_EQ(config->attention_impl, "aten");
+  const std::string impl = write_file("core.yaml", with_lines("  gdr_core_impl: composite\n"));
+  EXPECT_EQ(load_qwen_config_yaml(impl).status().message(),
+            impl +
+                ": model.gdr_core_impl: kernel choices moved to the run config's kernels: "
+                "section; set kernels.gdr_core_impl instead");
+  const std::string prep = write_file("prep.yaml", with_lines("  gdr_core_prep: kernel\n"));
+  EXPECT_EQ(load_qwen_config_yaml(prep).status().message(),
+            prep +
+                ": model.gdr_core_prep: kernel choices moved to the run config's kernels: "
+                "section; set kernels.gdr_core_prep instead");
+  const std::string attention =
+      write_file("attention.yaml", with_lines("  attention_impl: aten\n"));
+  EXPECT_EQ(load_qwen_config_yaml(attention).status().message(),
+            attention +
+                ": model.attention_impl: kernel choices moved to the run config's "
+                "kernels: section; set kernels.attention instead");
 }
 
-TEST(QwenConfig, AnUnknownGdrCoreSwitchValueIsAnError) {
+TEST(QwenConfig, KernelKeysInTheModelSectionAreRefusedWhateverTheirValue) {
   const std::string impl = write_file("core_bad.yaml", with_lines("  gdr_core_impl: triton\n"));
   EXPECT_EQ(load_qwen_config_yaml(impl).status().message(),
-            impl + ": model.gdr_core_impl: expected one of kernel, composite but got 'triton'");
+            impl +
+                ": model.gdr_core_impl: kernel choices moved to the run config's kernels: "
+                "section; set kernels.gdr_core_impl instead");
   const std::string prep = write_file("prep_bad.yaml", with_lines("  gdr_core_prep: kernels\n"));
   EXPECT_EQ(load_qwen_config_yaml(prep).status().message(),
-            prep + ": model.gdr_core_prep: expected one of kernel, aten but got 'kernels'");
+            prep +
+                ": model.gdr_core_prep: kernel choices moved to the run config's kernels: "
+                "section; set kernels.gdr_core_prep instead");
   const std::string attention =
       write_file("attention_bad.yaml", with_lines("  attention_impl: flash\n"));
   EXPECT_EQ(load_qwen_config_yaml(attention).status().message(),
-            attention + ": model.attention_impl: expected one of cudnn, aten but got 'flash'");
+            attention +
+                ": model.attention_impl: kernel choices moved to the run config's "
+                "kernels: section; set kernels.attention instead");
 }
 
 TEST(QwenConfig, AHuggingFaceModelWithAttentionBiasIsRejected) {

@@ -1,6 +1,7 @@
-// apply_deterministic_mode(): the global ATen switch, the cuBLAS workspace variable left
-// alone, and the conflict error. Each test resets the process state it touches.
-#include "models/qwen/deterministic_mode.h"
+// apply_deterministic_mode(policy): the global ATen switch, the cuBLAS workspace variable
+// left alone, the uninitialized-memory fill from the policy, and the conflict error. Each test
+// resets the process state it touches.
+#include "ops/policy/determinism.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -9,8 +10,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "models/qwen/config.h"
 #include "models/qwen/model.h"
-#include "ops/determinism.h"
+#include "ops/policy/execution_policy.h"
 
 namespace gdr {
 namespace {
@@ -20,10 +22,9 @@ class DeterministicMode : public ::testing::Test {
   void SetUp() override {
     unsetenv(kCublasWorkspaceConfigVar);
     unsetenv("GDR_DETERMINISTIC");
-    unsetenv(kDeterministicFillVar);
     at::globalContext().setDeterministicAlgorithms(false, false);
     at::globalContext().setDeterministicFillUninitializedMemory(true);  // PyTorch's default
-    config_.deterministic_mode = true;
+    policy_.deterministic = true;
   }
   void TearDown() override { at::globalContext().setDeterministicAlgorithms(false, false); }
 
@@ -32,13 +33,13 @@ class DeterministicMode : public ::testing::Test {
     return value == nullptr ? "<unset>" : value;
   }
 
-  QwenConfig config_;
+  ExecutionPolicy policy_;
 };
 
 // Note [cuBLAS workspace]: the variable is not pinned (it slows cuBLAS down and libtorch's
 // per-stream workspaces already make it reproducible).
 TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndLeavesTheCublasWorkspaceAlone) {
-  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
   EXPECT_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
   EXPECT_EQ(cublas_var(), "<unset>");
@@ -47,28 +48,27 @@ TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndLeavesTheCublasWorkspaceAlone
 
 // Note [Uninitialized-memory fill]: off by default, on when asked.
 TEST_F(DeterministicMode, TurnsOffTheUninitializedMemoryFillUnlessAskedFor) {
-  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   EXPECT_FALSE(at::globalContext().deterministicFillUninitializedMemory());
-  setenv(kDeterministicFillVar, "1", 1);
-  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  policy_.deterministic_fill_uninitialized_memory = true;
+  ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   EXPECT_TRUE(at::globalContext().deterministicFillUninitializedMemory());
   // An empty tensor is then NaN-filled, as PyTorch documents.
   EXPECT_TRUE(at::empty({4}, at::kFloat).isnan().all().item<bool>());
-  unsetenv(kDeterministicFillVar);
 }
 
 TEST_F(DeterministicMode, KeepsAWorkspaceValueTheUserExported) {
   for (const char* value : {":16:8", ":4096:2:16:8"}) {
     setenv(kCublasWorkspaceConfigVar, value, 1);
-    ASSERT_TRUE(apply_deterministic_mode(config_).ok()) << value;
+    ASSERT_TRUE(apply_deterministic_mode(policy_).ok()) << value;
     EXPECT_EQ(cublas_var(), value);
     EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
   }
 }
 
 TEST_F(DeterministicMode, RejectsFullFusionNamingBothKeysAndChangesNothing) {
-  config_.pre_gdr_fusion = PreGdrFusion::kFull;
-  const absl::Status status = apply_deterministic_mode(config_);
+  policy_.pre_gdr_fusion = PreGdrFusion::kFull;
+  const absl::Status status = apply_deterministic_mode(policy_);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(status.message(),
             "deterministic_mode: true cannot be combined with pre_gdr_fusion: full (the fully "
@@ -79,8 +79,8 @@ TEST_F(DeterministicMode, RejectsFullFusionNamingBothKeysAndChangesNothing) {
 }
 
 TEST_F(DeterministicMode, DoesNothingWhenTheConfigLeavesItOff) {
-  config_.deterministic_mode = false;
-  ASSERT_TRUE(apply_deterministic_mode(config_).ok());
+  policy_.deterministic = false;
+  ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
   EXPECT_EQ(cublas_var(), "<unset>");
 }
@@ -91,7 +91,8 @@ TEST_F(DeterministicMode, TheTinyModelRunsTwiceBitIdenticallyUnderIt) {
   absl::StatusOr<QwenConfig> tiny = load_qwen_config("configs/tiny.yaml");
   ASSERT_TRUE(tiny.ok()) << tiny.status();
   tiny->deterministic_mode = true;
-  ASSERT_TRUE(apply_deterministic_mode(*tiny).ok());
+  policy_.pre_gdr_fusion = tiny->pre_gdr_fusion;
+  ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   const at::Tensor ids = at::arange(2 * 70, at::kLong).remainder(251).reshape({2, 70});
   auto run = [&] {
     QwenForCausalLM model(*tiny);

@@ -1,6 +1,6 @@
 // The gated delta rule core: the chunked algorithm against the token-by-token reference
 // (FP64, tight), its gradients against the reference's, dtypes and argument checks.
-#include "ops/gdr_core.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "models/qwen/layers.h"
-#include "ops/gdr_core.h"
-#include "ops/pre_gdr_gate.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "tests/models/finite_difference.h"
 
 namespace gdr {

@@ -4,8 +4,8 @@
 #include "models/qwen/model.h"
 #include "models/qwen/layers.h"
 
-#include "ops/attention.h"
-#include "ops/gdr_core.h"
+#include "ops/attention/attention_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -48,39 +48,6 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(QwenForCausalLMImpl
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& item : model.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
   return shapes;
-}
-
-// model.gdr_core_impl / gdr_core_prep / attention_impl set the process-wide switches;
-// unset keys leave them.
-TEST(QwenModel, GdrCoreSettingsFromTheConfigSetTheProcessSwitches) {
-  unsetenv("GDR_CORE_IMPL");
-  unsetenv("GDR_CORE_PREP");
-  unsetenv("GDR_ATTENTION");
-  set_gdr_core_impl(std::nullopt);
-  set_gdr_core_prep(std::nullopt);
-  set_attention_impl(std::nullopt);
-  QwenConfig config;
-  apply_gdr_core_settings(config);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
-  EXPECT_EQ(attention_impl(), AttentionBackend::kCudnn);
-  config.gdr_core_impl = "composite";
-  config.gdr_core_prep = "aten";
-  config.attention_impl = "aten";
-  apply_gdr_core_settings(config);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
-  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
-  setenv("GDR_ATTENTION", "cudnn", 1);
-  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
-  unsetenv("GDR_ATTENTION");
-  set_attention_impl(std::nullopt);
-  // The config wins over the environment.
-  setenv("GDR_CORE_IMPL", "kernel", 1);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
-  unsetenv("GDR_CORE_IMPL");
-  set_gdr_core_impl(std::nullopt);
-  set_gdr_core_prep(std::nullopt);
 }
 
 TEST(QwenModel, NamedParametersAreTheHuggingFaceNamesAndShapes) {

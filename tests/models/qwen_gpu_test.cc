@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "models/qwen/config.h"
-#include "models/qwen/deterministic_mode.h"
 #include "models/qwen/model.h"
+#include "ops/policy/determinism.h"
+#include "ops/policy/execution_policy.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -85,7 +87,11 @@ TEST(QwenGpu, TinyConfigInDeterministicModeRerunsBitIdentically) {
   ASSERT_TRUE(config.ok()) << config.status();
   config->deterministic_mode = true;
   config->pre_gdr_fusion = PreGdrFusion::kGate;
-  ASSERT_TRUE(apply_deterministic_mode(*config).ok());
+  ExecutionPolicy policy;
+  policy.deterministic = true;
+  policy.pre_gdr_fusion = PreGdrFusion::kGate;
+  ASSERT_TRUE(apply_deterministic_mode(policy).ok());
+  const ExecutionPolicyGuard guard(policy);
   auto run = [&] {
     QwenForCausalLM model(*config);
     init_qwen_weights(*model, 77);
@@ -113,18 +119,21 @@ TEST(QwenGpu, ResidualAddInTheNormGivesTheComposedBits) {
   ASSERT_TRUE(config.ok()) << config.status();
   config->deterministic_mode = true;
   config->pre_gdr_fusion = PreGdrFusion::kGate;
-  ASSERT_TRUE(apply_deterministic_mode(*config).ok());
+  ExecutionPolicy policy;
+  policy.deterministic = true;
+  policy.pre_gdr_fusion = PreGdrFusion::kGate;
+  ASSERT_TRUE(apply_deterministic_mode(policy).ok());
   auto run = [&](const char* add_rms_norm) {
-    setenv("GDR_ADD_RMS_NORM", add_rms_norm, 1);
+    test_support::PolicyForTest run_policy;
+    run_policy.set("deterministic", "true");
+    run_policy.set("GDR_ADD_RMS_NORM", add_rms_norm);
     QwenForCausalLM model(*config);
     init_qwen_weights(*model, 91);
     model->to(at::kCUDA, at::kBFloat16);
     at::manual_seed(4);
     const at::Tensor ids = at::randint(0, config->vocab_size, {2, 256},
                                        at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
-    Result r = forward_backward(model, ids);
-    unsetenv("GDR_ADD_RMS_NORM");
-    return r;
+    return forward_backward(model, ids);
   };
   const Result composed = run("composite");
   const Result fused = run("fused");

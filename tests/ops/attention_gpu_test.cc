@@ -19,12 +19,12 @@
 #include <string>
 #include <tuple>
 
-#include "ops/attention.h"
-#include "ops/determinism.h"
+#include "ops/attention/attention_op.h"
+#include "ops/policy/determinism.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -32,7 +32,7 @@ namespace {
 using test_support::bitwise_equal;
 using test_support::error_of;
 using test_support::GpuContention;
-using test_support::ScopedEnv;
+using test_support::PolicyForTest;
 
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, double);
@@ -229,7 +229,7 @@ TEST(CausalAttentionGpu, CapturedInACudaGraphGivesTheEagerBits) {
   }
 }
 
-// cuDNN's frontend opens the CUDA runtime by name; kernels/cudnn_attention.cc names the
+// cuDNN's frontend opens the CUDA runtime by name; kernels/attention/cudnn_attention.cc names the
 // major version this binary was built for before the first use.
 TEST(CausalAttentionGpu, TellsTheFrontendWhichCudaRuntimeToOpen) {
   const Inputs in = make_inputs({1, 2, 1, 64, 64}, at::kBFloat16, 15);
@@ -256,7 +256,7 @@ TEST(CausalAttentionGpu, ProblemsCudnnCannotRunTakeAtenSdpa) {
   }
   {
     const Inputs in = make_inputs({1, 4, 2, 64, 64}, at::kBFloat16, 12);
-    const ScopedEnv aten("GDR_ATTENTION", "aten");
+    const PolicyForTest aten("GDR_ATTENTION", "aten");
     EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.3, &why), AttentionBackend::kAten);
     EXPECT_EQ(why, "the attention implementation is aten");
   }

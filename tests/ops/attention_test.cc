@@ -9,17 +9,17 @@
 #include <string>
 #include <tuple>
 
-#include "ops/attention.h"
+#include "ops/attention/attention_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
 
 using test_support::bitwise_equal;
 using test_support::error_of;
-using test_support::ScopedEnv;
+using test_support::PolicyForTest;
 
 struct Inputs {
   at::Tensor q, k, v;
@@ -104,7 +104,7 @@ TEST(CausalAttention, CpuTensorsTakeAtenSdpa) {
   EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.3, &why), AttentionBackend::kAten);
   EXPECT_EQ(why, "the tensors are not on a CUDA device");
   {
-    const ScopedEnv aten("GDR_ATTENTION", "aten");
+    const PolicyForTest aten("GDR_ATTENTION", "aten");
     EXPECT_EQ(attention_backend(in.q, in.k, in.v, 0.3, &why), AttentionBackend::kAten);
     EXPECT_EQ(why, "the attention implementation is aten");
   }
@@ -113,28 +113,8 @@ TEST(CausalAttention, CpuTensorsTakeAtenSdpa) {
                     at::scaled_dot_product_attention(in.q, in.k, in.v, {}, 0.0, true, 0.3, true)));
 }
 
-TEST(CausalAttention, OverrideTakesPrecedenceOverTheEnvironment) {
-  const ScopedEnv aten("GDR_ATTENTION", "aten");
-  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
-  set_attention_impl(AttentionBackend::kCudnn);
-  EXPECT_EQ(attention_impl(), AttentionBackend::kCudnn);
-  set_attention_impl(std::nullopt);
-  EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
-  set_attention_impl(AttentionBackend::kAten);
-  {
-    const ScopedEnv cudnn("GDR_ATTENTION", "cudnn");
-    EXPECT_EQ(attention_impl(), AttentionBackend::kAten);
-  }
-  set_attention_impl(std::nullopt);
-  EXPECT_EQ(parse_attention_impl("cudnn", "x"), AttentionBackend::kCudnn);
-  EXPECT_EQ(error_of([] { parse_attention_impl("flash", "model.attention_impl"); }),
-            "model.attention_impl: expected cudnn or aten, but got 'flash'");
-}
-
 TEST(CausalAttention, RefusesAnUnknownSwitchValue) {
-  const Inputs in = make_inputs(1, 2, 2, 4, 8, at::kFloat, 16);
-  const ScopedEnv bad("GDR_ATTENTION", "flash");
-  EXPECT_EQ(error_of([&] { causal_attention(in.q, in.k, in.v, 0.3); }),
+  EXPECT_EQ(test_support::policy_error("GDR_ATTENTION", "flash"),
             "GDR_ATTENTION: expected cudnn or aten, but got 'flash'");
 }
 

@@ -34,9 +34,10 @@
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
-#include "ops/causal_conv1d.h"
+#include "ops/causal_conv1d/causal_conv1d_op.h"
 #include "tests/ops/expect_close.h"
 #include "tests/ops/gpu_contention.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -120,7 +121,6 @@ class Tf32Off {
 
 class CausalConvGpuTest : public ::testing::Test {
  protected:
-  void SetUp() override { unsetenv("GDR_CAUSAL_CONV"); }
   Tf32Off tf32_off_;
 };
 
@@ -229,17 +229,17 @@ TEST_F(CausalConvGpuTest, BackwardIsBitwiseReproducibleUnderContention) {
 
 TEST_F(CausalConvGpuTest, ModelConvFollowsGdrCausalConv) {
   const Inputs in = make_inputs(2, 64, 256, 4, at::kBFloat16, 31);
-  unsetenv("GDR_CAUSAL_CONV");
   EXPECT_TRUE(same_bits(gdn_causal_conv1d_silu(in.x, in.w), causal_conv1d_silu(in.x, in.w)));
-  setenv("GDR_CAUSAL_CONV", "kernel", 1);
-  EXPECT_TRUE(gdn_causal_conv1d_silu(in.x, in.w).is_contiguous());
-  setenv("GDR_CAUSAL_CONV", "aten", 1);
-  const at::Tensor aten = gdn_causal_conv1d_silu(in.x, in.w);
-  EXPECT_TRUE(same_bits(aten, causal_conv1d_silu_composite(in.x, in.w)));
-  EXPECT_FALSE(aten.is_contiguous());  // the composition's transposed view
-  setenv("GDR_CAUSAL_CONV", "bogus", 1);
-  EXPECT_THROW(gdn_causal_conv1d_silu(in.x, in.w), c10::Error);
-  unsetenv("GDR_CAUSAL_CONV");
+  {
+    test_support::PolicyForTest policy("GDR_CAUSAL_CONV", "kernel");
+    EXPECT_TRUE(gdn_causal_conv1d_silu(in.x, in.w).is_contiguous());
+    policy.set("GDR_CAUSAL_CONV", "aten");
+    const at::Tensor aten = gdn_causal_conv1d_silu(in.x, in.w);
+    EXPECT_TRUE(same_bits(aten, causal_conv1d_silu_composite(in.x, in.w)));
+    EXPECT_FALSE(aten.is_contiguous());  // the composition's transposed view
+  }
+  EXPECT_EQ(test_support::policy_error("GDR_CAUSAL_CONV", "bogus"),
+            "GDR_CAUSAL_CONV: expected kernel or aten, but got 'bogus'");
   // FP64 and K = 5 keep the composition whatever the switch says.
   const at::Tensor xd = in.x.to(at::kDouble), wd = in.w.to(at::kDouble);
   EXPECT_TRUE(same_bits(gdn_causal_conv1d_silu(xd, wd), causal_conv1d_silu_composite(xd, wd)));
@@ -266,13 +266,12 @@ TEST_F(CausalConvGpuTest, GatedDeltaNetWithTheKernelMatchesTheComposition) {
           .to(at::kBFloat16);
   const at::Tensor grad_out = at::randn_like(x);
   auto forward_backward = [&](const char* impl) {
-    setenv("GDR_CAUSAL_CONV", impl, 1);
+    const test_support::PolicyForTest policy("GDR_CAUSAL_CONV", impl);
     layer->zero_grad();
     const at::Tensor y = layer->forward(x);
     y.backward(grad_out);
     std::vector<at::Tensor> result = {y.detach()};
     for (const auto& p : layer->parameters()) result.push_back(p.grad().detach().clone());
-    unsetenv("GDR_CAUSAL_CONV");
     return result;
   };
   const std::vector<at::Tensor> kernel = forward_backward("kernel");

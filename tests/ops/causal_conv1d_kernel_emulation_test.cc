@@ -1,14 +1,14 @@
-// The causal conv1d + SiLU kernel bodies run on the CPU: kernels/causal_conv1d_kernel.cuh is
-// compiled as host code with stand-ins for the CUDA built-ins (one std::thread per CUDA
-// thread, a barrier for __syncthreads, one block at a time) and checked against a plain
-// loop written from the spec in kernels/causal_conv1d.h: y and dx bit for bit (the loop
-// sums the taps in the documented order and rounds where the spec rounds) in FP32, BF16
-// and FP16, K = 2, 3, 4, sequence tails, T < K and tiles shorter than K - 1 tokens,
-// several programs and channel blocks, strided inputs, the vectorised and the scalar
-// channel paths (which must give the same bits). The weight gradient's partial rows and
-// the ordered second pass are checked bit for bit against a replay of the documented
-// summation order (Note [Causal conv determinism]), and against an FP64 sum within FP32
-// accumulation error. Speed and the real hardware are the GPU test's business.
+// The causal conv1d + SiLU kernel bodies run on the CPU:
+// kernels/causal_conv1d/causal_conv1d_kernel.cuh is compiled as host code with stand-ins for the
+// CUDA built-ins (one std::thread per CUDA thread, a barrier for __syncthreads, one block at a
+// time) and checked against a plain loop written from the spec in
+// kernels/causal_conv1d/causal_conv1d.h: y and dx bit for bit (the loop sums the taps in the
+// documented order and rounds where the spec rounds) in FP32, BF16 and FP16, K = 2, 3, 4, sequence
+// tails, T < K and tiles shorter than K - 1 tokens, several programs and channel blocks, strided
+// inputs, the vectorised and the scalar channel paths (which must give the same bits). The weight
+// gradient's partial rows and the ordered second pass are checked bit for bit against a replay of
+// the documented summation order (Note [Causal conv determinism]), and against an FP64 sum within
+// FP32 accumulation error. Speed and the real hardware are the GPU test's business.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <math.h>
@@ -20,14 +20,14 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/causal_conv1d.h"
+#include "kernels/causal_conv1d/causal_conv1d.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (see the NOTE in the .cuh).
 #include "tests/ops/emulated_cuda.h"
 
 #define __device__
 #define __forceinline__ inline
-#include "kernels/causal_conv1d_kernel.cuh"
+#include "kernels/causal_conv1d/causal_conv1d_kernel.cuh"
 #undef __device__
 #undef __forceinline__
 
@@ -106,7 +106,7 @@ float round_to_dtype(float v, at::ScalarType dtype) {
   return v;
 }
 
-// Independent check written from the spec (kernels/causal_conv1d.h), not the kernel's
+// Independent check written from the spec (kernels/causal_conv1d/causal_conv1d.h), not the kernel's
 // code: plain loops over (b, t, c), taps in j order with the first product then fmaf,
 // rounding where the spec rounds. dw in FP64 in (b, t) order, with the sum of |terms|.
 struct Reference {
@@ -305,8 +305,9 @@ void run_case(const Case& c) {
   }
 }
 
-// The channels per thread the launchers pick when the layout allows (kernels/causal_conv1d.cu:
-// 16-byte forward loads, 2 channels in the backward), else 1.
+// The channels per thread the launchers pick when the layout allows
+// (kernels/causal_conv1d/causal_conv1d.cu: 16-byte forward loads, 2 channels in the backward),
+// else 1.
 template <typename T, int K>
 void run_with_k(const Case& c) {
   constexpr int kForwardVec = static_cast<int>(16 / sizeof(T));

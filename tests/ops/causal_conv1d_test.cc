@@ -1,8 +1,9 @@
-// CPU tests of the causal conv1d + SiLU op (ops/causal_conv1d.h): an independent FP64 loop
-// written from the formula checked against the ATen composition and its autograd; the CPU
+// CPU tests of the causal conv1d + SiLU op (ops/causal_conv1d/causal_conv1d_op.h): an independent
+// FP64 loop written from the formula checked against the ATen composition and its autograd; the CPU
 // op (forward and backward) bit for bit against the composition's forward and autograd;
 // autograd through the op; empty inputs; strided views; the GDR_CAUSAL_CONV switch; the
-// argument checks' exact messages; the backward's launch rule (kernels/causal_conv1d.h).
+// argument checks' exact messages; the backward's launch rule
+// (kernels/causal_conv1d/causal_conv1d.h).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -13,9 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "kernels/causal_conv1d.h"
-#include "ops/causal_conv1d.h"
+#include "kernels/causal_conv1d/causal_conv1d.h"
+#include "ops/causal_conv1d/causal_conv1d_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -219,18 +222,15 @@ TEST(CausalConvLaunch, BackwardGridIsAPureFunctionOfTheShapeWithFewPrograms) {
 using test_support::error_of;
 
 TEST(CausalConvSwitch, DefaultsToKernelReadsEveryCallAndNamesTheVariableOnABadValue) {
-  unsetenv("GDR_CAUSAL_CONV");
-  EXPECT_EQ(causal_conv_impl(), CausalConvImpl::kKernel);
-  setenv("GDR_CAUSAL_CONV", "aten", 1);
-  EXPECT_EQ(causal_conv_impl(), CausalConvImpl::kAten);
-  setenv("GDR_CAUSAL_CONV", "kernel", 1);
-  EXPECT_EQ(causal_conv_impl(), CausalConvImpl::kKernel);
-  setenv("GDR_CAUSAL_CONV", "", 1);
-  EXPECT_EQ(causal_conv_impl(), CausalConvImpl::kKernel);
-  setenv("GDR_CAUSAL_CONV", "cudnn", 1);
-  EXPECT_EQ(error_of([] { causal_conv_impl(); }),
+  EXPECT_EQ(current_execution_policy().causal_conv, CausalConvImpl::kKernel);
+  test_support::PolicyForTest policy("GDR_CAUSAL_CONV", "aten");
+  EXPECT_EQ(current_execution_policy().causal_conv, CausalConvImpl::kAten);
+  policy.set("GDR_CAUSAL_CONV", "kernel");
+  EXPECT_EQ(current_execution_policy().causal_conv, CausalConvImpl::kKernel);
+  policy.set("GDR_CAUSAL_CONV", "");
+  EXPECT_EQ(current_execution_policy().causal_conv, CausalConvImpl::kKernel);
+  EXPECT_EQ(test_support::policy_error("GDR_CAUSAL_CONV", "cudnn"),
             "GDR_CAUSAL_CONV: expected kernel or aten, but got 'cudnn'");
-  unsetenv("GDR_CAUSAL_CONV");
 }
 
 TEST(CausalConvSwitch, CpuTensorsAreNotTakenByTheCudaKernels) {

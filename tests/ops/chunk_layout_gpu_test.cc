@@ -1,5 +1,5 @@
 // Note [Chunk output layout] on the GPU: gdr::chunks_to_tokens / gdr::tokens_to_chunks
-// (kernels/chunk_layout.h where they apply) give the bits of the ATen copies they replace
+// (kernels/gdr_core/chunk_layout.h where they apply) give the bits of the ATen copies they replace
 // (chunk_layout_internal::*_aten, run on the same CUDA tensors): every output dtype, a
 // token count that is not a multiple of the chunk (padding rows exactly +0.0 in the
 // backward even where the fresh buffer held NaNs), batch and heads > 1, the 0.8B layer
@@ -10,7 +10,7 @@
 #include <limits>
 #include <string>
 
-#include "ops/gdr_core.h"
+#include "ops/gdr_core/gdr_core_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 

@@ -20,10 +20,11 @@
 #include <utility>
 
 #include "models/qwen/model.h"
-#include "ops/cross_entropy.h"
+#include "ops/cross_entropy/cross_entropy_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -242,19 +243,19 @@ std::string loss_node(const Problem& p) {
 
 TEST(CrossEntropyGpuSwitch, CausalLmLossFollowsGdrCrossEntropy) {
   const Problem p = make_problem(2, 33, 5000, at::kBFloat16, false, 9);
-  unsetenv("GDR_CROSS_ENTROPY");
   EXPECT_NE(loss_node(p).find("CausalLmCrossEntropyFunction"), std::string::npos) << loss_node(p);
   EXPECT_TRUE(bitwise_equal(causal_lm_loss(p.logits, p.labels),
                             causal_lm_cross_entropy(p.logits, p.labels, kIgnore)));
-  setenv("GDR_CROSS_ENTROPY", "composite", 1);
-  EXPECT_NE(loss_node(p).find("NllLoss"), std::string::npos) << loss_node(p);
-  EXPECT_TRUE(bitwise_equal(causal_lm_loss(p.logits, p.labels),
-                            causal_lm_cross_entropy_composite(p.logits, p.labels, kIgnore)));
-  setenv("GDR_CROSS_ENTROPY", "fused", 1);
-  EXPECT_NE(loss_node(p).find("CausalLmCrossEntropyFunction"), std::string::npos) << loss_node(p);
-  setenv("GDR_CROSS_ENTROPY", "bogus", 1);
-  EXPECT_THROW(causal_lm_loss(p.logits, p.labels), c10::Error);
-  unsetenv("GDR_CROSS_ENTROPY");
+  {
+    test_support::PolicyForTest policy("GDR_CROSS_ENTROPY", "composite");
+    EXPECT_NE(loss_node(p).find("NllLoss"), std::string::npos) << loss_node(p);
+    EXPECT_TRUE(bitwise_equal(causal_lm_loss(p.logits, p.labels),
+                              causal_lm_cross_entropy_composite(p.logits, p.labels, kIgnore)));
+    policy.set("GDR_CROSS_ENTROPY", "fused");
+    EXPECT_NE(loss_node(p).find("CausalLmCrossEntropyFunction"), std::string::npos) << loss_node(p);
+  }
+  EXPECT_EQ(test_support::policy_error("GDR_CROSS_ENTROPY", "bogus"),
+            "GDR_CROSS_ENTROPY: expected fused or composite, but got 'bogus'");
   // FP64 logits keep the composite whatever the switch says.
   Problem fp64 = p;
   fp64.logits = p.logits.to(at::kDouble);

@@ -1,4 +1,4 @@
-// The cross-entropy kernel bodies run on the CPU: kernels/cross_entropy_kernel.cuh is
+// The cross-entropy kernel bodies run on the CPU: kernels/cross_entropy/cross_entropy_kernel.cuh is
 // compiled as host code with stand-ins for the CUDA built-ins (one std::thread per CUDA
 // thread, a barrier for __syncthreads, a per-warp exchange slot and barrier for
 // __shfl_xor_sync, one block at a time) and checked against a plain FP64 loop written
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cross_entropy.h"
+#include "kernels/cross_entropy/cross_entropy.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (see the NOTE in the .cuh);
 // exp2f, logf, fmaf, fmaxf, INFINITY and NAN come from <math.h>.
@@ -30,7 +30,7 @@
 
 #define __device__
 #define __forceinline__ inline
-#include "kernels/cross_entropy_kernel.cuh"
+#include "kernels/cross_entropy/cross_entropy_kernel.cuh"
 #undef __device__
 #undef __forceinline__
 

@@ -1,23 +1,24 @@
-// CPU tests of the causal-LM cross-entropy ops (ops/cross_entropy.h): the CPU op's loss
-// and gradient against at::cross_entropy_loss on the FP32 composite (bit for bit, through
+// CPU tests of the causal-LM cross-entropy ops (ops/cross_entropy/cross_entropy_op.h): the CPU op's
+// loss and gradient against at::cross_entropy_loss on the FP32 composite (bit for bit, through
 // autograd), an independent FP64 loop written from the formula, every row ignored (ATen's
 // NaN), the GDR_CROSS_ENTROPY switch, causal_lm_loss on the CPU, the argument checks'
-// exact messages and the launch rules of kernels/cross_entropy.h.
+// exact messages and the launch rules of kernels/cross_entropy/cross_entropy.h.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
-#include "kernels/cross_entropy.h"
+#include "kernels/cross_entropy/cross_entropy.h"
 #include "models/qwen/model.h"
-#include "ops/cross_entropy.h"
+#include "ops/cross_entropy/cross_entropy_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -188,21 +189,13 @@ TEST(CrossEntropyCpuEdges, LseIsTheRowLogsumexp) {
 // The model's loss and the switch
 
 TEST(CrossEntropySwitch, DefaultsToFusedReadsEveryCallAndNamesTheVariableOnABadValue) {
-  unsetenv("GDR_CROSS_ENTROPY");
-  EXPECT_EQ(cross_entropy_impl(), CrossEntropyImpl::kFused);
-  setenv("GDR_CROSS_ENTROPY", "composite", 1);
-  EXPECT_EQ(cross_entropy_impl(), CrossEntropyImpl::kComposite);
-  setenv("GDR_CROSS_ENTROPY", "fused", 1);
-  EXPECT_EQ(cross_entropy_impl(), CrossEntropyImpl::kFused);
-  setenv("GDR_CROSS_ENTROPY", "fast", 1);
-  try {
-    cross_entropy_impl();
-    ADD_FAILURE() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "GDR_CROSS_ENTROPY: expected fused or composite, but got 'fast'");
-  }
-  unsetenv("GDR_CROSS_ENTROPY");
+  EXPECT_EQ(current_execution_policy().cross_entropy, CrossEntropyImpl::kFused);
+  test_support::PolicyForTest policy("GDR_CROSS_ENTROPY", "composite");
+  EXPECT_EQ(current_execution_policy().cross_entropy, CrossEntropyImpl::kComposite);
+  policy.set("GDR_CROSS_ENTROPY", "fused");
+  EXPECT_EQ(current_execution_policy().cross_entropy, CrossEntropyImpl::kFused);
+  EXPECT_EQ(test_support::policy_error("GDR_CROSS_ENTROPY", "fast"),
+            "GDR_CROSS_ENTROPY: expected fused or composite, but got 'fast'");
 }
 
 TEST(CrossEntropySwitch, CpuLogitsAreNotTakenByTheFusedCudaPath) {
@@ -213,12 +206,11 @@ TEST(CrossEntropySwitch, CausalLmLossOnTheCpuIsTheCompositeWhateverTheSwitch) {
   const Problem p = make_problem(2, 7, 50, at::kBFloat16, false, 6);
   const at::Tensor ref = causal_lm_cross_entropy_composite(p.logits, p.labels, kIgnore);
   for (const char* value : {"fused", "composite"}) {
-    setenv("GDR_CROSS_ENTROPY", value, 1);
+    const test_support::PolicyForTest policy("GDR_CROSS_ENTROPY", value);
     EXPECT_TRUE(bitwise_equal(causal_lm_loss(p.logits, p.labels), ref)) << value;
   }
-  setenv("GDR_CROSS_ENTROPY", "bogus", 1);
-  EXPECT_THROW(causal_lm_loss(p.logits, p.labels), c10::Error);
-  unsetenv("GDR_CROSS_ENTROPY");
+  EXPECT_EQ(test_support::policy_error("GDR_CROSS_ENTROPY", "bogus"),
+            "GDR_CROSS_ENTROPY: expected fused or composite, but got 'bogus'");
 }
 
 // ---------------------------------------------------------------------------
@@ -302,7 +294,7 @@ TEST(CrossEntropyErrors, CausalLmLossKeepsItsOwnMessages) {
 }
 
 // ---------------------------------------------------------------------------
-// Launch rules (kernels/cross_entropy.h): pure functions of the problem.
+// Launch rules (kernels/cross_entropy/cross_entropy.h): pure functions of the problem.
 
 TEST(CrossEntropyLaunch, BlockSizeIsAPureFunctionOfV) {
   EXPECT_EQ(kernels::cross_entropy_block_threads(1), 32);

@@ -1,10 +1,11 @@
-// The tied embedding's rows kernel body runs on the CPU: kernels/embedding_rows_kernel.cuh
-// is compiled as host code with stand-ins for the CUDA built-ins it uses (one std::thread
-// per CUDA thread, barriers for __syncthreads / __syncthreads_or, a per-warp slot for
+// The tied embedding's rows kernel body runs on the CPU:
+// kernels/tied_embedding/embedding_rows_kernel.cuh is compiled as host code with stand-ins for the
+// CUDA built-ins it uses (one std::thread per CUDA thread, barriers for __syncthreads /
+// __syncthreads_or, a per-warp slot for
 // __ballot_sync; one block at a time, the 2-D grid flattened) under the launcher's own
 // launch rule (launch_shape), and its result is checked bit for bit against the op's CPU
-// reference (ops/tied_embedding.h): BF16, FP16 and FP32, vectorised and element paths,
-// several column tiles, an id in more tokens than a block has threads (matches compacted
+// reference (ops/tied_embedding/tied_embedding_op.h): BF16, FP16 and FP32, vectorised and element
+// paths, several column tiles, an id in more tokens than a block has threads (matches compacted
 // across chunks), misaligned rows, ids outside the vocabulary. The real hardware is the
 // GPU test's business (//tests/ops:tied_embedding_gpu_test).
 #include <ATen/ATen.h>
@@ -15,8 +16,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/embedding_rows.h"
-#include "ops/tied_embedding.h"
+#include "kernels/tied_embedding/embedding_rows.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 #include "tests/ops/bitwise_equal.h"
 
 // Host stand-ins for the CUDA built-ins the kernel body uses (see the NOTE in the .cuh).
@@ -51,7 +52,7 @@ inline int __popc(unsigned v) { return __builtin_popcount(v); }
 
 #define __device__
 #define __forceinline__ inline
-#include "kernels/embedding_rows_kernel.cuh"
+#include "kernels/tied_embedding/embedding_rows_kernel.cuh"
 #undef __device__
 #undef __forceinline__
 

@@ -1,4 +1,4 @@
-// Host stand-ins for the cp.async helpers of kernels/cp_async.cuh, for the
+// Host stand-ins for the cp.async helpers of kernels/common/cp_async.cuh, for the
 // *_kernel_emulation_test binaries that run kernel code using them on the CPU. A copy is
 // deferred until this thread's next cp_async_wait_all (each emulated CUDA thread keeps its
 // own queue): the latest moment the hardware may complete it, so kernel code that reads a

@@ -1,4 +1,4 @@
-// Host stand-ins for the TF32 tensor-core primitives of kernels/mma_tf32.cuh (tf32_round,
+// Host stand-ins for the TF32 tensor-core primitives of kernels/common/mma_tf32.cuh (tf32_round,
 // tf32_as_float, mma_m16n8k8_tf32), for the *_kernel_emulation_test binaries that run
 // tensor-core kernel code on the CPU: include after tests/ops/emulated_cuda.h (the mma is a
 // warp-collective exchange through its per-warp barriers) and define

@@ -1,4 +1,4 @@
-// Host specialisations of kernels/storage_element.cuh's StorageElement for ATen's 16-bit
+// Host specialisations of kernels/common/storage_element.cuh's StorageElement for ATen's 16-bit
 // types, for the kernel emulation tests (include after the kernel body). c10's
 // float -> BFloat16 / Half conversions round to nearest even, like the device intrinsics
 // __float2bfloat16_rn / __float2half_rn, so the emulation stores the device's bits.

@@ -1,4 +1,4 @@
-// Host stand-ins for the warpgroup primitives of kernels/wgmma_tf32.cuh (shared_address,
+// Host stand-ins for the warpgroup primitives of kernels/common/wgmma_tf32.cuh (shared_address,
 // fence_operands_for_wgmma, wgmma_fence, wgmma_commit, wgmma_wait, fence_accumulators,
 // wgmma_m64n64k8_tf32), for the *_kernel_emulation_test binaries: include after
 // tests/ops/emulated_cuda.h and tests/ops/emulated_mma_tf32.h and define

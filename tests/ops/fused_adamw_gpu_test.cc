@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/fused_adamw.h"
+#include "ops/fused_adamw/fused_adamw_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/fused_adamw_reference.h"
 #include "tests/ops/gpu_contention.h"

@@ -1,5 +1,5 @@
-// CPU tests of the fused optimizer tail (ops/fused_adamw.h): the CPU implementation gives
-// the bits of the ATen sequence the trainer ran before it (_foreach_mul_ when clipping,
+// CPU tests of the fused optimizer tail (ops/fused_adamw/fused_adamw_op.h): the CPU implementation
+// gives the bits of the ATen sequence the trainer ran before it (_foreach_mul_ when clipping,
 // _foreach_add_ on FP32 step counters, _fused_adamw_, _foreach_copy_ into BF16 params)
 // over several steps, with and without clipping and BF16 params; argument errors (exact
 // messages naming the list and index).
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/fused_adamw.h"
-#include "ops/fused_adamw.h"
+#include "kernels/fused_adamw/fused_adamw.h"
+#include "ops/fused_adamw/fused_adamw_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/fused_adamw_reference.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/gated_activation.h"
+#include "ops/gated_activation/gated_activation_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gated_activation_run.h"
 

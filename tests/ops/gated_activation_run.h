@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "ops/gated_activation.h"
+#include "ops/gated_activation/gated_activation_op.h"
 
 namespace gdr::test_support {
 

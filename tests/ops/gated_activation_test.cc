@@ -1,7 +1,7 @@
-// CPU tests of the gated activation ops (ops/gated_activation.h): an FP64 loop written from
-// the formulas against the composite, the CPU op and its autograd against the composite's
-// autograd (the same ATen ops, so the same bits), the GDR_GATED_ACTIVATION switch and the
-// argument checks' exact messages.
+// CPU tests of the gated activation ops (ops/gated_activation/gated_activation_op.h): an FP64 loop
+// written from the formulas against the composite, the CPU op and its autograd against the
+// composite's autograd (the same ATen ops, so the same bits), the GDR_GATED_ACTIVATION switch and
+// the argument checks' exact messages.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -10,11 +10,12 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/gated_activation.h"
+#include "ops/gated_activation/gated_activation_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/gated_activation_run.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -84,18 +85,17 @@ TEST(GatedActivationCpu, FusedOpGivesTheCompositeBits) {
 TEST(GatedActivationCpu, SwitchSelectsTheImplementation) {
   const Case c = make_case(at::kFloat, 3);
   {
-    test_support::ScopedEnv env("GDR_GATED_ACTIVATION", "composite");
-    EXPECT_EQ(gated_activation_impl(), GatedActivationImpl::kComposite);
+    const test_support::PolicyForTest policy("GDR_GATED_ACTIVATION", "composite");
+    EXPECT_EQ(current_execution_policy().gated_activation, GatedActivationImpl::kComposite);
   }
   {
-    test_support::ScopedEnv env("GDR_GATED_ACTIVATION", "fused");
-    EXPECT_EQ(gated_activation_impl(), GatedActivationImpl::kFused);
+    const test_support::PolicyForTest policy("GDR_GATED_ACTIVATION", "fused");
+    EXPECT_EQ(current_execution_policy().gated_activation, GatedActivationImpl::kFused);
     // CPU inputs take the composite whatever the switch says: the same values.
     EXPECT_TRUE(bitwise_equal(gated_activation(c.gate, c.x, GatedActivationKind::kSilu),
                               gated_activation_composite(c.gate, c.x, GatedActivationKind::kSilu)));
   }
-  test_support::ScopedEnv env("GDR_GATED_ACTIVATION", "fast");
-  EXPECT_EQ(error_of([] { gated_activation_impl(); }),
+  EXPECT_EQ(test_support::policy_error("GDR_GATED_ACTIVATION", "fast"),
             "GDR_GATED_ACTIVATION: expected fused or composite, but got 'fast'");
 }
 

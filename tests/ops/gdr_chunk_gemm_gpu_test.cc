@@ -20,12 +20,12 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gdr_chunk_gemm.h"
-#include "ops/gdr_chunk_state.h"
+#include "kernels/gdr_core/chunk_gemm.h"
+#include "ops/gdr_core/chunk_state_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
-#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -33,9 +33,11 @@ namespace {
 const auto kCuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
 
 using test_support::bitwise_equal;
-using test_support::error_of;
 
-using ScopedGemmKernel = test_support::ScopedKernelSwitch<test_support::kGemmSwitch>;
+// The state pass's GEMMs on the 3xTF32 kernel or cuBLAS FP32, over the current execution
+// policy, for a scope.
+using ScopedGemmKernel =
+    test_support::ScopedPolicyChoice<&ExecutionPolicy::chunk_gemm_tensor_cores>;
 
 // ---------------------------------------------------------------------------
 // The launcher against FP64
@@ -303,14 +305,8 @@ TEST(ChunkGemmGpu, StatePassWithTheKernelMatchesCublasAndTheFp64Reference) {
 }
 
 TEST(ChunkGemmGpu, AnUnknownGemmKernelSettingIsRefusedNamingTheVariable) {
-  const OpInputs x = make_op_inputs(1, 1, 2, 128, 128, 7);
-  const ScopedGemmKernel unknown("yes");
-  EXPECT_EQ(error_of([&] {
-              chunk_state_pass(x.u.to(kCuda), x.w.to(kCuda), x.qd.to(kCuda), x.p.to(kCuda),
-                               x.kend.to(kCuda), x.g_last.to(kCuda), std::nullopt);
-            }),
-            "GDR_CHUNK_GEMM_TC: expected 0 (cuBLAS FP32 batched matmuls) or 1 (tensor cores, "
-            "the default) but got 'yes'");
+  EXPECT_EQ(test_support::policy_error("GDR_CHUNK_GEMM_TC", "yes"),
+            "GDR_CHUNK_GEMM_TC: expected true, false, 1 or 0, but got 'yes'");
 }
 
 }  // namespace

@@ -1,11 +1,11 @@
-// The chunk GEMM kernel run on the CPU: kernels/gdr_chunk_gemm_kernel.cuh is compiled as
+// The chunk GEMM kernel run on the CPU: kernels/gdr_core/chunk_gemm_kernel.cuh is compiled as
 // host code with stand-ins for the CUDA built-ins (one std::thread per CUDA thread, a
 // barrier for __syncthreads, a NaN-filled buffer per block for the dynamic shared memory,
 // one block at a time), its mma.sync, wgmma and cvt.rna.tf32 emulated (tests/ops/
 // emulated_mma_tf32.h, emulated_wgmma_tf32.h: they read only the TF32 bits, so a missing
 // split shows), both paths run (wgmma, which sm_90a code takes, and mma.sync) and
 // required to agree bit for bit, and checked against an FP64 loop over the contract of
-// kernels/gdr_chunk_gemm.h: every
+// kernels/gdr_core/chunk_gemm.h: every
 // product of the chunk state pass at dk = dv = 64, dk = dv = 128 and dk = 256, dv = 128,
 // i.e. both transposes the pass uses (A^T B, A B^T) and plain A B, one and two
 // products, alpha = -1; then beta != 0, A^T B^T, N not a multiple of 64, K not a multiple
@@ -34,9 +34,9 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/gdr_chunk_gemm.h"
-#include "kernels/gdr_chunk_state.h"
-#include "ops/gdr_chunk_state.h"
+#include "kernels/gdr_core/chunk_gemm.h"
+#include "kernels/gdr_core/chunk_state.h"
+#include "ops/gdr_core/chunk_state_op.h"
 
 // Host stand-ins for the CUDA built-ins the kernels use (see the NOTEs in the .cuh files):
 // threadIdx, blockIdx, __syncthreads and the per-warp barriers from
@@ -62,8 +62,8 @@ struct alignas(16) float4 {
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define GDR_CHUNK_GEMM_HOST_HELPERS
-#include "kernels/gdr_chunk_gemm_kernel.cuh"
-#include "kernels/gdr_chunk_state_kernel.cuh"
+#include "kernels/gdr_core/chunk_gemm_kernel.cuh"
+#include "kernels/gdr_core/chunk_state_kernel.cuh"
 #undef GDR_CHUNK_GEMM_HOST_HELPERS
 #undef __global__
 #undef __device__
@@ -251,7 +251,7 @@ TEST_P(ChunkGemmKernelEmulation, MatchesAnFp64LoopWithinThe3xTf32Bound) {
         const double ref = c.alpha * sum + c.beta * c0;
         const float got = out.at(z, i, j);
         const double err = std::isnan(got) ? INFINITY : std::fabs(got - ref);
-        // The 3xTF32 bound (Note [3xTF32 products] in kernels/mma_tf32.cuh), first order:
+        // The 3xTF32 bound (Note [3xTF32 products] in kernels/common/mma_tf32.cuh), first order:
         // each product a b is off by the dropped a_small b_small and the roundings of the
         // small parts, <= 3 * 2^-22 |a b| (big and small keep 11 significant bits each,
         // rounded to nearest); each of the three accumulator chains rounds once per mma
@@ -295,7 +295,7 @@ TEST_P(ChunkGemmKernelEmulation, MatchesAnFp64LoopWithinThe3xTf32Bound) {
 
 std::vector<GemmCase> gemm_cases() {
   std::vector<GemmCase> cases;
-  // The chunk state pass's products (ops/gdr_chunk_state.cc), C = 64 rows per chunk, two
+  // The chunk state pass's products (ops/gdr_core/chunk_state_op.cc), C = 64 rows per chunk, two
   // chunks in the batch.
   for (const auto& [dk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{256, 128}}) {
     const std::string s = "_dk" + std::to_string(dk) + "_dv" + std::to_string(dv);
@@ -376,7 +376,7 @@ double relative_error(const at::Tensor& x, const at::Tensor& ref) {
          (r.abs().max().item<double>() + 1e-30);
 }
 
-// A SideStream (Note [State pass side stream] in ops/gdr_chunk_state.h) that acts like a
+// A SideStream (Note [State pass side stream] in ops/gdr_core/chunk_state_op.h) that acts like a
 // stream that has not run yet: the GEMMs `work` launches are recorded and their outputs
 // filled with NaN at run(), and computed only at join(). A backward that read dQd or dP
 // before the join, or returned without one, would hand back NaN.

@@ -28,13 +28,13 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/gdr_chunk_prep.h"
-#include "ops/gdr_chunk_prep.h"
-#include "ops/gdr_core.h"
+#include "kernels/gdr_core/chunk_prep.h"
+#include "ops/gdr_core/chunk_prep_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
-#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -139,7 +139,10 @@ TEST(ChunkPrepGpu, ForwardAndBackwardMatchTheFp64CpuReference) {
   }
 }
 
-using ScopedPrepVariant = test_support::ScopedKernelSwitch<test_support::kPrepSwitch>;
+// The prep backward's products on tensor cores or FP32 SIMT, over the current execution
+// policy, for a scope.
+using ScopedPrepVariant =
+    test_support::ScopedPolicyChoice<&ExecutionPolicy::chunk_prep_tensor_cores>;
 
 const char* prep_variant_name(bool tensor_cores) {
   return tensor_cores ? "tensor-core prep" : "SIMT prep";
@@ -250,11 +253,8 @@ TEST(ChunkPrepGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
 }
 
 TEST(ChunkPrepGpu, AnUnknownPrepKernelSettingIsRefusedNamingTheVariable) {
-  const Inputs x = make_inputs(1, 100, 1, 128, 64, false, at::kFloat, 1);
-  ScopedPrepVariant unknown("tc");
-  EXPECT_EQ(test_support::error_of([&] { chunk_prep(x.q, x.k, x.v, x.g, x.beta, 1.0, 64); }),
-            "GDR_CHUNK_PREP_TC: expected 0 (the FP32 SIMT prep kernels) or 1 (tensor cores, the "
-            "default) but got 'tc'");
+  EXPECT_EQ(test_support::policy_error("GDR_CHUNK_PREP_TC", "tc"),
+            "GDR_CHUNK_PREP_TC: expected true, false, 1 or 0, but got 'tc'");
 }
 
 // ---------------------------------------------------------------------------
@@ -280,12 +280,25 @@ Results run_core(const Inputs& x, const at::Tensor& w_o, const at::Tensor& w_s) 
 
 class GdrCorePrepGpu : public testing::Test {
  protected:
-  void SetUp() override {
-    set_gdr_core_prep(std::nullopt);
-    set_gdr_core_impl(std::nullopt);
-    unsetenv("GDR_CORE_PREP");
+  // The GDR core's chunk preparation and state pass (the execution policy's gdr_core_prep
+  // and gdr_core_impl) for the rest of the test.
+  void set_core_prep(GdrCorePrep prep) {
+    policy_.gdr_core_prep = prep;
+    apply_policy();
   }
-  void TearDown() override { SetUp(); }
+  void set_core_impl(GdrCoreImpl impl) {
+    policy_.gdr_core_impl = impl;
+    apply_policy();
+  }
+
+ private:
+  void apply_policy() {
+    guard_.reset();
+    guard_.emplace(policy_);
+  }
+
+  ExecutionPolicy policy_;
+  std::optional<ExecutionPolicyGuard> guard_;
 };
 
 struct CoreCase {
@@ -312,16 +325,17 @@ TEST_F(GdrCorePrepGpu, KernelPrepMatchesTheAtenPrepInOutputsAndGradients) {
     const std::string context = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " H" +
                                 std::to_string(c.H) + " dk" + std::to_string(c.dk) + " dv" +
                                 std::to_string(c.dv) + (c.initial_state ? " S0" : "") +
-                                (bf16 ? " bf16" : " fp32") + " step7 " + to_string(c.step7);
+                                (bf16 ? " bf16" : " fp32") + " step7 " +
+                                (c.step7 == GdrCoreImpl::kKernel ? "kernel" : "composite");
     const Inputs x = make_inputs(c.B, c.T, c.H, c.dk, c.dv, c.initial_state, c.dtype, 11 + c.T);
     const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, kCuda);
     const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, kCuda);
-    set_gdr_core_impl(c.step7);
+    set_core_impl(c.step7);
 
-    set_gdr_core_prep(GdrCorePrep::kKernel);
+    set_core_prep(GdrCorePrep::kKernel);
     const Results kernel = run_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
-    set_gdr_core_prep(GdrCorePrep::kAten);
+    set_core_prep(GdrCorePrep::kAten);
     const Results aten = run_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << context;
     const Inputs x64 = {cpu64(x.q), cpu64(x.k),    cpu64(x.v),
@@ -357,8 +371,8 @@ TEST_F(GdrCorePrepGpu, KernelPrepMatchesTheAtenPrepInOutputsAndGradients) {
 // place; the arithmetic is that of contiguous inputs, so every output and gradient must
 // have the same bits.
 TEST_F(GdrCorePrepGpu, StridedInputsGiveTheBitsOfContiguousInputs) {
-  set_gdr_core_prep(GdrCorePrep::kKernel);
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_prep(GdrCorePrep::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"};
   for (const int64_t T : {200, 2085, 130, 64}) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -372,7 +386,7 @@ TEST_F(GdrCorePrepGpu, StridedInputsGiveTheBitsOfContiguousInputs) {
 
       // Rows 8 columns wider than q | k | v (strided reads), or exactly q | k | v: the
       // model's split, whose gradients the kernel writes as slices of one buffer (Note
-      // [Gradients in the inputs' layout] in ops/gdr_chunk_prep.cc).
+      // [Gradients in the inputs' layout] in ops/gdr_core/chunk_prep_op.cc).
       for (const int64_t extra : {int64_t{8}, int64_t{0}}) {
         at::Tensor row = at::empty({B, T, H * (2 * dk + dv) + extra}, x.q.options());
         row.narrow(-1, 0, H * dk).copy_(x.q.reshape({B, T, H * dk}));
@@ -404,7 +418,7 @@ TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
   const Inputs ok = make_inputs(1, 100, 2, 64, 64, false, at::kFloat, 4);
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << "default";
-  setenv("GDR_CORE_PREP", "kernel", 1);
+  const test_support::PolicyForTest policy("GDR_CORE_PREP", "kernel");
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << "GDR_CORE_PREP=kernel";
   gated_delta_rule(ok.q.to(at::kBFloat16), ok.k.to(at::kBFloat16), ok.v.to(at::kBFloat16), ok.g,
@@ -426,14 +440,8 @@ TEST_F(GdrCorePrepGpu, EnvironmentVariableAndFallBacks) {
   gated_delta_rule_chunked(ok.q.to(at::kDouble), ok.k.to(at::kDouble), ok.v.to(at::kDouble), ok.g,
                            ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << "FP64";
-  setenv("GDR_CORE_PREP", "fast", 1);
-  try {
-    gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
-    FAIL() << "an invalid GDR_CORE_PREP must be refused";
-  } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "GDR_CORE_PREP: expected kernel or aten, but got 'fast'");
-  }
+  EXPECT_EQ(test_support::policy_error("GDR_CORE_PREP", "fast"),
+            "GDR_CORE_PREP: expected kernel or aten, but got 'fast'");
 }
 
 // ---------------------------------------------------------------------------
@@ -580,7 +588,7 @@ TEST_F(GdrCorePrepGpu, FusedNormKernelPrepMatchesTheCompositeInOutputsAndGradien
       {1, 2048, 4, 2, 256, 256, at::kBFloat16, at::kFloat, true},
   };
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   for (const FusedCase& c : cases) {
     const std::string context = describe(c);
     const FusedInputs x = make_fused_inputs(c.B, c.T, c.Hk, c.group, c.dk, c.dv, c.qk_dtype,
@@ -588,10 +596,10 @@ TEST_F(GdrCorePrepGpu, FusedNormKernelPrepMatchesTheCompositeInOutputsAndGradien
     const int64_t H = c.Hk * c.group;
     const at::Tensor w_o = at::randn({c.B, c.T, H, c.dv}, kCuda);
     const at::Tensor w_s = at::randn({c.B, H, c.dk, c.dv}, kCuda);
-    set_gdr_core_prep(GdrCorePrep::kKernel);
+    set_core_prep(GdrCorePrep::kKernel);
     const Results kernel = run_fused_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kKernel) << context;
-    set_gdr_core_prep(GdrCorePrep::kAten);
+    set_core_prep(GdrCorePrep::kAten);
     const Results aten = run_fused_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << context;
     const Results exact = run_fused_core(cpu64(x), cpu64(w_o), cpu64(w_s));
@@ -653,8 +661,8 @@ class GdrCorePrepReplays : public GdrCorePrepGpu,
                            public testing::WithParamInterface<at::ScalarType> {};
 
 TEST_P(GdrCorePrepReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
-  set_gdr_core_prep(GdrCorePrep::kKernel);
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_prep(GdrCorePrep::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   // The training shape of one Qwen3.5-0.8B GDN layer: BF16 q/k/v (the benchmark's) and
   // FP32 (what the model hands the core after its FP32 L2 norm).
   const Inputs x = make_inputs(1, 2048, 16, 128, 128, false, GetParam(), 99);
@@ -692,8 +700,8 @@ class GdrCoreFusedNormReplays : public GdrCorePrepGpu,
                                 public testing::WithParamInterface<FusedReplayCase> {};
 
 TEST_P(GdrCoreFusedNormReplays, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
-  set_gdr_core_prep(GdrCorePrep::kKernel);
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_prep(GdrCorePrep::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   const FusedReplayCase& c = GetParam();
   const int64_t H = c.Hk * c.group;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));

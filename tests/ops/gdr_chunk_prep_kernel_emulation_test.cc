@@ -1,4 +1,4 @@
-// The chunk prep kernels run on the CPU: kernels/gdr_chunk_prep_kernel.cuh is compiled as
+// The chunk prep kernels run on the CPU: kernels/gdr_core/chunk_prep_kernel.cuh is compiled as
 // host code with stand-ins for the CUDA built-ins (one std::thread per CUDA thread, a
 // barrier for __syncthreads, a per-block buffer for the dynamic shared memory, one block
 // at a time), driven by the CUDA op's own code (chunk_prep_internal::forward_via_kernel /
@@ -27,9 +27,9 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/gdr_chunk_prep.h"
-#include "ops/gdr_chunk_prep.h"
-#include "ops/gdr_core.h"
+#include "kernels/gdr_core/chunk_prep.h"
+#include "ops/gdr_core/chunk_prep_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (and nothing else; see the
 // NOTE in the .cuh): threadIdx, blockIdx, __syncthreads and the per-warp barriers from
@@ -57,7 +57,7 @@ float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 #define __forceinline__ inline
 #define GDR_MMA_TF32_HOST_HELPERS
 #define GDR_CP_ASYNC_HOST_HELPERS
-#include "kernels/gdr_chunk_prep_kernel.cuh"
+#include "kernels/gdr_core/chunk_prep_kernel.cuh"
 #undef GDR_CP_ASYNC_HOST_HELPERS
 #undef GDR_MMA_TF32_HOST_HELPERS
 #undef __device__
@@ -105,12 +105,12 @@ void run_grid(const Args& args, int64_t smem_floats, int threads, const Body& bo
 bool g_allow_tensor_cores = true;
 
 // Whether the backward launcher would run the tensor-core variant for these args (the op
-// layer's switch applied first, as ops/gdr_core_cuda.cc does).
+// layer's switch applied first, as ops/gdr_core/gdr_core_op_cuda.cc does).
 bool emulated_tc(const ChunkPrepShape& s) {
   return chunk_prep_uses_tensor_cores(s.dk, s.dv, s.allow_tensor_cores && g_allow_tensor_cores);
 }
 
-// The launchers' dispatch (kernels/gdr_chunk_prep.cu) over the (q / k, v) type pairs and,
+// The launchers' dispatch (kernels/gdr_core/chunk_prep.cu) over the (q / k, v) type pairs and,
 // for the backward, the two variants.
 template <int Threads>
 void emulate_forward_threads(const ChunkPrepForwardArgs& args) {
@@ -127,7 +127,7 @@ void emulate_forward_threads(const ChunkPrepForwardArgs& args) {
   }
 }
 
-// The launcher's choice of block size (kernels/gdr_chunk_prep.cu); the forward is SIMT in
+// The launcher's choice of block size (kernels/gdr_core/chunk_prep.cu); the forward is SIMT in
 // both variants.
 void emulate_forward(const ChunkPrepForwardArgs& args) {
   if (chunk_prep_forward_threads(args.shape.dk, args.shape.dv) == kChunkPrepWideForwardThreads) {
@@ -147,7 +147,7 @@ void emulate_backward_dk(const ChunkPrepBackwardArgs& given) {
   using namespace chunk_prep_detail;
   ChunkPrepBackwardArgs args = given;
   // The wide-head backward's global scratch (Note [Chunk prep wide-head backward]), NaN
-  // like the shared memory, as the CUDA op layer allocates it (ops/gdr_core_cuda.cc).
+  // like the shared memory, as the CUDA op layer allocates it (ops/gdr_core/gdr_core_op_cuda.cc).
   std::vector<float> scratch;
   int64_t grid = 0;
   if (chunk_prep_backward_uses_scratch(s.dk)) {
@@ -221,10 +221,10 @@ class TensorCoresAllowed {
 
 // Every case runs both variants (the second parameter: tensor cores allowed), against the
 // same FP64 reference with the same bounds. The tensor-core variant's backward products
-// (dM, dK, dQ) are 3xTF32 (Note [3xTF32 products] in kernels/mma_tf32.cuh): each product within
-// ~2^-21 relative of the exact one per term, the level of the FP32 SIMT sums (2^-24 per fmaf, dv +
-// dk terms), so the FP32-level bounds below hold for both; plain TF32 (~2^-11 = 5e-4 relative per
-// operand) is far outside them. g_mma_count proves which ran.
+// (dM, dK, dQ) are 3xTF32 (Note [3xTF32 products] in kernels/common/mma_tf32.cuh): each product
+// within ~2^-21 relative of the exact one per term, the level of the FP32 SIMT sums (2^-24 per
+// fmaf, dv + dk terms), so the FP32-level bounds below hold for both; plain TF32 (~2^-11 = 5e-4
+// relative per operand) is far outside them. g_mma_count proves which ran.
 class ChunkPrepKernelEmulation : public ::testing::TestWithParam<std::tuple<Case, bool>> {};
 
 TEST_P(ChunkPrepKernelEmulation, MatchesTheFp64ReferenceOpForwardAndBackward) {

@@ -4,9 +4,9 @@
 // the op wired into gated_delta_rule_chunked through the CPU test hook against the ATen
 // path (outputs and all gradients, also with raw q / k, GdrQkNorm::kL2 and head groups);
 // the core with kL2 giving the bits of the model's former explicit normalise + repeat;
-// argument checks with their messages; the GDR_CORE_PREP switch (API, environment
-// variable, error messages) and the CPU path staying ATen.
-#include "ops/gdr_chunk_prep.h"
+// argument checks with their messages; the prep choice (the policy's gdr_core_prep: its
+// values and error messages) and the CPU path staying ATen.
+#include "ops/gdr_core/chunk_prep_op.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -18,8 +18,10 @@
 #include <tuple>
 #include <vector>
 
-#include "ops/gdr_core.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -276,44 +278,36 @@ TEST(ChunkPrepChecks, ReportsTheArgumentAndExpectedVersusActual) {
 
 class GdrCorePrepSwitch : public ::testing::Test {
  protected:
-  void SetUp() override {
-    set_gdr_core_prep(std::nullopt);
-    set_gdr_core_prep_op_on_cpu_for_testing(false);
-    unsetenv("GDR_CORE_PREP");
-  }
+  void SetUp() override { set_gdr_core_prep_op_on_cpu_for_testing(false); }
   void TearDown() override { SetUp(); }
 };
 
-TEST_F(GdrCorePrepSwitch, DefaultsToKernelAndParsesBothNames) {
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
-  EXPECT_EQ(parse_gdr_core_prep("kernel", "test"), GdrCorePrep::kKernel);
-  EXPECT_EQ(parse_gdr_core_prep("aten", "test"), GdrCorePrep::kAten);
-  EXPECT_STREQ(to_string(GdrCorePrep::kKernel), "kernel");
-  EXPECT_STREQ(to_string(GdrCorePrep::kAten), "aten");
+// A policy that differs from the defaults in the GDR core's chunk preparation only.
+ExecutionPolicy with_prep(GdrCorePrep prep) {
+  ExecutionPolicy policy;
+  policy.gdr_core_prep = prep;
+  return policy;
 }
 
-TEST_F(GdrCorePrepSwitch, EnvironmentVariableIsReadAtEveryCallAndTheApiWins) {
-  setenv("GDR_CORE_PREP", "kernel", 1);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
-  setenv("GDR_CORE_PREP", "aten", 1);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
-  setenv("GDR_CORE_PREP", "", 1);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
-  setenv("GDR_CORE_PREP", "aten", 1);
-  set_gdr_core_prep(GdrCorePrep::kKernel);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kKernel);
-  set_gdr_core_prep(std::nullopt);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);  // the variable again
+TEST_F(GdrCorePrepSwitch, DefaultsToKernelAndParsesBothNames) {
+  EXPECT_EQ(current_execution_policy().gdr_core_prep, GdrCorePrep::kKernel);
+  test_support::PolicyForTest policy("gdr_core_prep", "kernel");
+  EXPECT_EQ(current_execution_policy().gdr_core_prep, GdrCorePrep::kKernel);
+  policy.set("gdr_core_prep", "aten");
+  EXPECT_EQ(current_execution_policy().gdr_core_prep, GdrCorePrep::kAten);
+  EXPECT_EQ(execution_policy_value(with_prep(GdrCorePrep::kKernel), "gdr_core_prep"), "kernel");
+  EXPECT_EQ(execution_policy_value(with_prep(GdrCorePrep::kAten), "gdr_core_prep"), "aten");
 }
 
 TEST_F(GdrCorePrepSwitch, InvalidValuesAreRefusedNamingTheSource) {
-  EXPECT_EQ(error_of([] { parse_gdr_core_prep("composite", "--gdr_core_prep"); }),
+  ExecutionPolicy refused;
+  EXPECT_EQ(set_execution_policy_value(refused, "gdr_core_prep", "composite", "--gdr_core_prep")
+                .message(),
             "--gdr_core_prep: expected kernel or aten, but got 'composite'");
-  setenv("GDR_CORE_PREP", "Kernel", 1);
-  EXPECT_EQ(error_of([] { gdr_core_prep(); }),
+  EXPECT_EQ(test_support::policy_error("GDR_CORE_PREP", "Kernel"),
             "GDR_CORE_PREP: expected kernel or aten, but got 'Kernel'");
-  set_gdr_core_prep(GdrCorePrep::kAten);
-  EXPECT_EQ(gdr_core_prep(), GdrCorePrep::kAten);
+  const ExecutionPolicyGuard guard(with_prep(GdrCorePrep::kAten));
+  EXPECT_EQ(current_execution_policy().gdr_core_prep, GdrCorePrep::kAten);
 }
 
 TEST_F(GdrCorePrepSwitch, CpuKeepsTheAtenStepsWhateverTheSwitchSays) {
@@ -321,9 +315,10 @@ TEST_F(GdrCorePrepSwitch, CpuKeepsTheAtenStepsWhateverTheSwitchSays) {
   const at::Tensor g = x.g.to(at::kFloat), beta = x.beta.to(at::kFloat);
   std::vector<std::tuple<at::Tensor, at::Tensor>> results;
   for (GdrCorePrep prep : {GdrCorePrep::kKernel, GdrCorePrep::kAten}) {
-    set_gdr_core_prep(prep);
+    const ExecutionPolicyGuard guard(with_prep(prep));
     results.push_back(gated_delta_rule_chunked(x.q, x.k, x.v, g, beta, 0.125, std::nullopt, true));
-    EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten) << to_string(prep);
+    EXPECT_EQ(gdr_core_last_prep(), GdrCorePrep::kAten)
+        << execution_policy_value(current_execution_policy(), "gdr_core_prep");
   }
   EXPECT_TRUE(at::equal(std::get<0>(results[0]), std::get<0>(results[1])));
   EXPECT_TRUE(at::equal(std::get<1>(results[0]), std::get<1>(results[1])));
@@ -340,7 +335,8 @@ TEST_F(GdrCorePrepSwitch, TheFusedNormAndHeadGroupsThroughTheOpMatchTheAtenSteps
     const at::Tensor w_s = at::randn({c.B, H, c.dk, c.dv}, at::kDouble);
     const GdrQkNorm norm = c.l2 ? GdrQkNorm::kL2 : GdrQkNorm::kNone;
     auto run = [&](bool through_op) {
-      set_gdr_core_prep(through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten);
+      const ExecutionPolicyGuard guard(
+          with_prep(through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten));
       set_gdr_core_prep_op_on_cpu_for_testing(through_op);
       std::vector<at::Tensor> leaves = {x.q, x.k, x.v, x.g, x.beta, s0};
       for (at::Tensor& t : leaves) t = t.detach().requires_grad_(true);
@@ -443,7 +439,8 @@ TEST_F(GdrCorePrepSwitch, TheOpWiredIntoTheCoreMatchesTheAtenStepsWithGradientsI
     const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, at::kDouble);
     const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, at::kDouble);
     auto run = [&](bool through_op, bool step7_op) {
-      set_gdr_core_prep(through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten);
+      const ExecutionPolicyGuard guard(
+          with_prep(through_op ? GdrCorePrep::kKernel : GdrCorePrep::kAten));
       set_gdr_core_prep_op_on_cpu_for_testing(through_op);
       set_gdr_core_op_on_cpu_for_testing(step7_op);
       std::vector<at::Tensor> leaves = {x.q, x.k, x.v, x.g, x.beta, s0};

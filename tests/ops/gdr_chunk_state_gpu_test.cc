@@ -23,13 +23,13 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/gdr_chunk_state.h"
-#include "ops/gdr_chunk_state.h"
-#include "ops/gdr_core.h"
+#include "kernels/gdr_core/chunk_state.h"
+#include "ops/gdr_core/chunk_state_op.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
-#include "tests/ops/error_of.h"
 #include "tests/ops/gpu_contention.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -37,10 +37,12 @@ namespace {
 const auto kCuda = at::TensorOptions().device(at::kCUDA);
 
 using test_support::bitwise_equal;
-using test_support::error_of;
 
-using ScopedScanKernel = test_support::ScopedKernelSwitch<test_support::kScanSwitch>;
-using ScopedGemmOverlap = test_support::ScopedKernelSwitch<test_support::kGemmOverlapSwitch>;
+// The scan kernel (tensor cores or FP32 SIMT) and the backward's GEMMs beside the scan or in
+// line, over the current execution policy, for a scope.
+using ScopedScanKernel =
+    test_support::ScopedPolicyChoice<&ExecutionPolicy::chunk_scan_tensor_cores>;
+using ScopedGemmOverlap = test_support::ScopedPolicyChoice<&ExecutionPolicy::chunk_gemm_overlap>;
 
 const char* scan_kernel_name(bool tensor_cores) {
   return tensor_cores ? "tensor-core scan" : "SIMT scan";
@@ -222,12 +224,8 @@ TEST(ChunkStatePassGpu, UnsupportedShapesAreRefusedByTheCudaOpNamingThem) {
 }
 
 TEST(ChunkStatePassGpu, AnUnknownScanKernelSettingIsRefusedNamingTheVariable) {
-  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 1, 2, 128, 128, false, false}, 3));
-  ScopedScanKernel unknown("yes");
-  EXPECT_EQ(
-      error_of([&] { chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt); }),
-      "GDR_CHUNK_SCAN_TC: expected 0 (the FP32 SIMT scan) or 1 (tensor cores, the "
-      "default) but got 'yes'");
+  EXPECT_EQ(test_support::policy_error("GDR_CHUNK_SCAN_TC", "yes"),
+            "GDR_CHUNK_SCAN_TC: expected true, false, 1 or 0, but got 'yes'");
 }
 
 TEST(ChunkStatePassGpu, SideStreamGivesTheDefaultStreamBits) {
@@ -329,15 +327,8 @@ TEST(ChunkStatePassGpu, GemmOverlapCapturedInACudaGraphOnAFreshThreadReplaysTheE
 }
 
 TEST(ChunkStatePassGpu, AnUnknownGemmOverlapSettingIsRefusedNamingTheVariable) {
-  const OpInputs x = to_cuda_fp32(make_op_inputs({1, 1, 2, 128, 128, false, true}, 3));
-  auto [o, s, states, v_new] =
-      chunk_state_pass(x.u, x.w, x.qd, x.p, x.kend, x.g_last, std::nullopt);
-  const ScopedGemmOverlap unknown("on");
-  EXPECT_EQ(error_of([&] {
-              chunk_state_pass_backward(opt(x.grad_o), opt(x.grad_final_state), x.w, x.qd, x.p,
-                                        x.kend, x.g_last, states, v_new);
-            }),
-            "GDR_CHUNK_GEMM_OVERLAP: expected 1 or 0, but got 'on'");
+  EXPECT_EQ(test_support::policy_error("GDR_CHUNK_GEMM_OVERLAP", "on"),
+            "GDR_CHUNK_GEMM_OVERLAP: expected true, false, 1 or 0, but got 'on'");
 }
 
 // ---------------------------------------------------------------------------
@@ -389,8 +380,17 @@ CoreInputs to_cpu_fp64(const CoreInputs& x) {
 
 class GdrCoreKernelGpu : public testing::Test {
  protected:
-  void SetUp() override { set_gdr_core_impl(std::nullopt); }
-  void TearDown() override { set_gdr_core_impl(std::nullopt); }
+  // The GDR core's state pass (the execution policy's gdr_core_impl) for the rest of the
+  // test.
+  void set_core_impl(GdrCoreImpl impl) {
+    ExecutionPolicy policy;
+    policy.gdr_core_impl = impl;
+    guard_.reset();
+    guard_.emplace(policy);
+  }
+
+ private:
+  std::optional<ExecutionPolicyGuard> guard_;
 };
 
 struct CoreCase {
@@ -415,10 +415,10 @@ TEST_F(GdrCoreKernelGpu, KernelStepMatchesTheCompositeStepInOutputsAndGradients)
     const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, kCuda);
     const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, kCuda);
 
-    set_gdr_core_impl(GdrCoreImpl::kKernel);
+    set_core_impl(GdrCoreImpl::kKernel);
     const Results kernel = run_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel) << context;
-    set_gdr_core_impl(GdrCoreImpl::kComposite);
+    set_core_impl(GdrCoreImpl::kComposite);
     const Results composite = run_core(x, w_o, w_s);
     EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite) << context;
     const Results exact =
@@ -448,11 +448,11 @@ TEST_F(GdrCoreKernelGpu, KernelStepOnTheSimtScanAlsoMatchesTheComposite) {
       make_core_inputs(c.B, c.T, c.H, c.dk, c.dv, c.initial_state, at::kFloat, 21 + c.T);
   const at::Tensor w_o = at::randn({c.B, c.T, c.H, c.dv}, kCuda);
   const at::Tensor w_s = at::randn({c.B, c.H, c.dk, c.dv}, kCuda);
-  set_gdr_core_impl(GdrCoreImpl::kComposite);
+  set_core_impl(GdrCoreImpl::kComposite);
   const Results composite = run_core(x, w_o, w_s);
   const Results exact =
       run_core(to_cpu_fp64(x), w_o.to(at::kCPU, at::kDouble), w_s.to(at::kCPU, at::kDouble));
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   for (const bool tc : {true, false}) {
     const ScopedScanKernel kernel(tc);
     const Results got = run_core(x, w_o, w_s);
@@ -471,7 +471,7 @@ TEST_F(GdrCoreKernelGpu, KernelStepOnTheSimtScanAlsoMatchesTheComposite) {
 }
 
 TEST_F(GdrCoreKernelGpu, ShapesAndDtypesTheKernelDoesNotCoverFallBackToTheComposite) {
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   const CoreInputs small_dk = make_core_inputs(1, 100, 2, 32, 64, false, at::kFloat, 3);
   gated_delta_rule_chunked(small_dk.q, small_dk.k, small_dk.v, small_dk.g, small_dk.beta, 0.2);
   EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite) << "dk = 32";
@@ -484,18 +484,16 @@ TEST_F(GdrCoreKernelGpu, ShapesAndDtypesTheKernelDoesNotCoverFallBackToTheCompos
   gated_delta_rule(ok.q.to(at::kBFloat16), ok.k.to(at::kBFloat16), ok.v.to(at::kBFloat16), ok.g,
                    ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kKernel) << "BF16 inputs compute in FP32";
-  setenv("GDR_CORE_IMPL", "composite", 1);
-  set_gdr_core_impl(std::nullopt);
+  const test_support::PolicyForTest composite("GDR_CORE_IMPL", "composite");
   gated_delta_rule(ok.q, ok.k, ok.v, ok.g, ok.beta, 0.2);
   EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite) << "GDR_CORE_IMPL=composite";
-  unsetenv("GDR_CORE_IMPL");
 }
 
 // ---------------------------------------------------------------------------
 // Replays under load
 
 TEST_F(GdrCoreKernelGpu, HundredReplaysAreBitwiseIdenticalWhileAnotherStreamLoadsTheGpu) {
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
+  set_core_impl(GdrCoreImpl::kKernel);
   // The training shape of one Qwen3.5-0.8B GDN layer, BF16 activations as in the model.
   const CoreInputs x = make_core_inputs(1, 2048, 16, 128, 128, false, at::kBFloat16, 99);
   const at::Tensor w_o = at::randn({1, 2048, 16, 128}, kCuda);

@@ -1,10 +1,10 @@
-// The chunk state scan kernel run on the CPU: kernels/gdr_chunk_state_kernel.cuh is
+// The chunk state scan kernel run on the CPU: kernels/gdr_core/chunk_state_kernel.cuh is
 // compiled as host code with stand-ins for the CUDA built-ins (one std::thread per CUDA
 // thread, a barrier for __syncthreads, function statics for __shared__, one block at a
 // time) and checked against a plain FP64 loop written from the recurrence in
-// kernels/gdr_chunk_state.h: every dk the kernel supports, one and several dv tiles,
+// kernels/gdr_core/chunk_state.h: every dk the kernel supports, one and several dv tiles,
 // both walk directions, operands that are strided and offset views of wider rows. The
-// same cases run the tensor-core kernel (kernels/gdr_chunk_state_tc_kernel.cuh), whose
+// same cases run the tensor-core kernel (kernels/gdr_core/chunk_state_tc_kernel.cuh), whose
 // warp-collective mma.sync and cvt.rna.tf32 are emulated here (per-warp scratch and
 // barrier; see the stand-ins below), with a bound that only 3xTF32 meets. Then the CUDA
 // op's own code (chunk_state_internal::forward_via_scan / backward_via_scan) runs with
@@ -24,8 +24,8 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/gdr_chunk_state.h"
-#include "ops/gdr_chunk_state.h"
+#include "kernels/gdr_core/chunk_state.h"
+#include "ops/gdr_core/chunk_state_op.h"
 
 // Host stand-ins for the CUDA built-ins the kernels use (and nothing else; see the NOTEs
 // in the .cuh files): threadIdx, blockIdx, __syncthreads, the per-warp barriers and
@@ -48,7 +48,7 @@ struct alignas(16) float4 {
 #define __shared__ static
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#include "kernels/gdr_chunk_state_kernel.cuh"
+#include "kernels/gdr_core/chunk_state_kernel.cuh"
 
 // ---------------------------------------------------------------------------
 // Host stand-ins for the tensor-core kernel's device helpers
@@ -63,7 +63,7 @@ alignas(16) float g_tc_shared[kTcSharedFloats];
 float* chunk_state_tc_shared() { return g_tc_shared; }
 
 #define GDR_CHUNK_STATE_TC_HOST_HELPERS
-#include "kernels/gdr_chunk_state_tc_kernel.cuh"
+#include "kernels/gdr_core/chunk_state_tc_kernel.cuh"
 #undef GDR_CHUNK_STATE_TC_HOST_HELPERS
 #undef __global__
 #undef __device__
@@ -226,7 +226,7 @@ TEST_P(ChunkStateKernelEmulation, MatchesThePlainRecurrenceInFp64) {
   // FP32 sums of at most 256 terms of O(1) values against FP64.
   EXPECT_LT(max_err, 1e-4);
   if (c.tc) {
-    // 3xTF32 (Note in kernels/gdr_chunk_state_tc_kernel.cuh): each product a b is
+    // 3xTF32 (Note in kernels/gdr_core/chunk_state_tc_kernel.cuh): each product a b is
     // a_big b_big + a_big b_small + a_small b_big, off by the dropped a_small b_small and
     // the rounding of small, both <= 2^-22 |a b| (big and small each keep 11 significant
     // bits, RNA), plus FP32 accumulation: per sum of K terms

@@ -1,8 +1,9 @@
 // The chunk state pass op on CPU: its forward and hand-derived backward against libtorch
 // autograd of the plain per-chunk loop (FP64, tight), through the op's own autograd and
 // through the backward op called directly; argument checks; the GDR core implementation
-// switch (API, environment variable, error messages) and the CPU path staying composite.
-#include "ops/gdr_chunk_state.h"
+// choice (the policy's gdr_core_impl: its values and error messages) and the CPU path
+// staying composite.
+#include "ops/gdr_core/chunk_state_op.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,8 +15,9 @@
 #include <tuple>
 #include <vector>
 
-#include "ops/gdr_core.h"
-#include "tests/ops/error_of.h"
+#include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -193,46 +195,41 @@ TEST(ChunkStatePassChecks, ReportsTheArgumentAndExpectedVersusActualShape) {
 
 class GdrCoreImplSwitch : public ::testing::Test {
  protected:
-  void SetUp() override {
-    set_gdr_core_impl(std::nullopt);
-    unsetenv("GDR_CORE_IMPL");
-  }
+  void SetUp() override { set_gdr_core_op_on_cpu_for_testing(false); }
   void TearDown() override { SetUp(); }
 };
 
-using test_support::error_of;
+using test_support::PolicyForTest;
 
-TEST_F(GdrCoreImplSwitch, DefaultsToTheKernelAndParsesBothNames) {
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
-  EXPECT_EQ(parse_gdr_core_impl("kernel", "test"), GdrCoreImpl::kKernel);
-  EXPECT_EQ(parse_gdr_core_impl("composite", "test"), GdrCoreImpl::kComposite);
-  EXPECT_STREQ(to_string(GdrCoreImpl::kKernel), "kernel");
-  EXPECT_STREQ(to_string(GdrCoreImpl::kComposite), "composite");
+// A policy that differs from the defaults in the GDR core's state pass only.
+ExecutionPolicy with_core_impl(GdrCoreImpl impl) {
+  ExecutionPolicy policy;
+  policy.gdr_core_impl = impl;
+  return policy;
 }
 
-TEST_F(GdrCoreImplSwitch, EnvironmentVariableIsReadAtEveryCallAndTheApiWins) {
-  setenv("GDR_CORE_IMPL", "composite", 1);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
-  setenv("GDR_CORE_IMPL", "kernel", 1);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
-  setenv("GDR_CORE_IMPL", "", 1);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
-  setenv("GDR_CORE_IMPL", "kernel", 1);
-  set_gdr_core_impl(GdrCoreImpl::kComposite);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kComposite);
-  set_gdr_core_impl(std::nullopt);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
+TEST_F(GdrCoreImplSwitch, DefaultsToTheKernelAndParsesBothNames) {
+  EXPECT_EQ(current_execution_policy().gdr_core_impl, GdrCoreImpl::kKernel);
+  PolicyForTest policy("gdr_core_impl", "kernel");
+  EXPECT_EQ(current_execution_policy().gdr_core_impl, GdrCoreImpl::kKernel);
+  policy.set("gdr_core_impl", "composite");
+  EXPECT_EQ(current_execution_policy().gdr_core_impl, GdrCoreImpl::kComposite);
+  EXPECT_EQ(execution_policy_value(with_core_impl(GdrCoreImpl::kKernel), "gdr_core_impl"),
+            "kernel");
+  EXPECT_EQ(execution_policy_value(with_core_impl(GdrCoreImpl::kComposite), "gdr_core_impl"),
+            "composite");
 }
 
 TEST_F(GdrCoreImplSwitch, InvalidValuesAreRefusedNamingTheSource) {
-  EXPECT_EQ(error_of([] { parse_gdr_core_impl("fast", "--gdr_core_impl"); }),
-            "--gdr_core_impl: expected kernel or composite, but got 'fast'");
-  setenv("GDR_CORE_IMPL", "Kernel", 1);
-  EXPECT_EQ(error_of([] { gdr_core_impl(); }),
+  ExecutionPolicy refused;
+  EXPECT_EQ(
+      set_execution_policy_value(refused, "gdr_core_impl", "fast", "--gdr_core_impl").message(),
+      "--gdr_core_impl: expected kernel or composite, but got 'fast'");
+  EXPECT_EQ(test_support::policy_error("GDR_CORE_IMPL", "Kernel"),
             "GDR_CORE_IMPL: expected kernel or composite, but got 'Kernel'");
-  // An API value set explicitly does not read the environment at all.
-  set_gdr_core_impl(GdrCoreImpl::kKernel);
-  EXPECT_EQ(gdr_core_impl(), GdrCoreImpl::kKernel);
+  // A value set explicitly does not read the environment at all.
+  const ExecutionPolicyGuard guard(with_core_impl(GdrCoreImpl::kKernel));
+  EXPECT_EQ(current_execution_policy().gdr_core_impl, GdrCoreImpl::kKernel);
 }
 
 TEST_F(GdrCoreImplSwitch, CpuKeepsTheCompositeStepWhateverTheSwitchSays) {
@@ -245,9 +242,10 @@ TEST_F(GdrCoreImplSwitch, CpuKeepsTheCompositeStepWhateverTheSwitchSays) {
   const at::Tensor g = -at::rand({1, 70, 2}, f32), beta = at::rand({1, 70, 2}, f32);
   std::vector<std::tuple<at::Tensor, at::Tensor>> results;
   for (GdrCoreImpl impl : {GdrCoreImpl::kKernel, GdrCoreImpl::kComposite}) {
-    set_gdr_core_impl(impl);
+    const ExecutionPolicyGuard guard(with_core_impl(impl));
     results.push_back(gated_delta_rule_chunked(q, k, v, g, beta, 0.125, std::nullopt, true));
-    EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite) << to_string(impl);
+    EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite)
+        << execution_policy_value(current_execution_policy(), "gdr_core_impl");
   }
   EXPECT_TRUE(at::equal(std::get<0>(results[0]), std::get<0>(results[1])));
   EXPECT_TRUE(at::equal(std::get<1>(results[0]), std::get<1>(results[1])));
@@ -272,7 +270,8 @@ TEST_F(GdrCoreImplSwitch, TheOpWiredIntoTheCoreMatchesTheCompositeStepWithGradie
     auto [o, s] = gated_delta_rule_chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
                                            0.4, leaves[5], true, 8);
     EXPECT_EQ(gdr_core_last_step7(), through_op ? GdrCoreImpl::kKernel : GdrCoreImpl::kComposite);
-    // The op path hands o over contiguous (Note [Chunk output layout] in ops/gdr_core.cc).
+    // The op path hands o over contiguous (Note [Chunk output layout] in
+    // ops/gdr_core/gdr_core_op.cc).
     if (through_op) {
       EXPECT_TRUE(o.is_contiguous());
     }
@@ -289,7 +288,7 @@ TEST_F(GdrCoreImplSwitch, TheOpWiredIntoTheCoreMatchesTheCompositeStepWithGradie
   }
   // The hook leaves the CPU path alone when the switch says composite.
   set_gdr_core_op_on_cpu_for_testing(true);
-  set_gdr_core_impl(GdrCoreImpl::kComposite);
+  const ExecutionPolicyGuard composite_step(with_core_impl(GdrCoreImpl::kComposite));
   gated_delta_rule_chunked(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], 0.4);
   EXPECT_EQ(gdr_core_last_step7(), GdrCoreImpl::kComposite);
   set_gdr_core_op_on_cpu_for_testing(false);

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/linear_group.h"
+#include "ops/linear_group/linear_group_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 #include "tests/ops/linear_group_run.h"

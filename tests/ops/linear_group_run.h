@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "ops/linear_group.h"
+#include "ops/linear_group/linear_group_op.h"
 
 namespace gdr::test_support {
 

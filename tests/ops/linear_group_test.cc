@@ -1,4 +1,4 @@
-// CPU tests of the linear group op (ops/linear_group.h): forward outputs and weight
+// CPU tests of the linear group op (ops/linear_group/linear_group_op.h): forward outputs and weight
 // gradients against the composite's bits (one at::linear per weight, autograd through
 // them), the input gradient against the composite within a stated FP64 bound and against
 // a sum written from the spec, unused outputs, weights without gradients, the
@@ -11,11 +11,12 @@
 #include <string>
 #include <vector>
 
-#include "ops/linear_group.h"
+#include "ops/linear_group/linear_group_op.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
 #include "tests/ops/linear_group_run.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -240,24 +241,21 @@ TEST(LinearGroupCpu, SwitchSelectsTheImplementation) {
   for (const at::Tensor& w : c.weights) weights.push_back(w.detach().requires_grad_(true));
   auto node_name = [&] { return project(c.x, weights)[0].grad_fn()->name(); };
   {
-    test_support::ScopedEnv env("GDR_LINEAR_GROUP", "");
-    EXPECT_EQ(linear_group_impl(), LinearGroupImpl::kFused);
+    const test_support::PolicyForTest policy("GDR_LINEAR_GROUP", "");
+    EXPECT_EQ(current_execution_policy().linear_group, LinearGroupImpl::kFused);
   }
   {
-    test_support::ScopedEnv env("GDR_LINEAR_GROUP", "fused");
-    EXPECT_EQ(linear_group_impl(), LinearGroupImpl::kFused);
+    const test_support::PolicyForTest policy("GDR_LINEAR_GROUP", "fused");
+    EXPECT_EQ(current_execution_policy().linear_group, LinearGroupImpl::kFused);
     EXPECT_NE(node_name().find("LinearGroupFunction"), std::string::npos) << node_name();
   }
   {
-    test_support::ScopedEnv env("GDR_LINEAR_GROUP", "composite");
-    EXPECT_EQ(linear_group_impl(), LinearGroupImpl::kComposite);
+    const test_support::PolicyForTest policy("GDR_LINEAR_GROUP", "composite");
+    EXPECT_EQ(current_execution_policy().linear_group, LinearGroupImpl::kComposite);
     EXPECT_EQ(node_name().find("LinearGroupFunction"), std::string::npos) << node_name();
     expect_same_bits(project(c.x, weights), linear_group(c.x, weights), "y");
   }
-  test_support::ScopedEnv env("GDR_LINEAR_GROUP", "fast");
-  EXPECT_EQ(error_of([] { linear_group_impl(); }),
-            "GDR_LINEAR_GROUP: expected fused or composite, but got 'fast'");
-  EXPECT_EQ(error_of([&] { project(c.x, weights); }),
+  EXPECT_EQ(test_support::policy_error("GDR_LINEAR_GROUP", "fast"),
             "GDR_LINEAR_GROUP: expected fused or composite, but got 'fast'");
 }
 

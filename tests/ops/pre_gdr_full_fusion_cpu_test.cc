@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/pre_gdr_full_fusion.h"
-#include "ops/determinism.h"
-#include "ops/pre_gdr_full_fusion.h"
+#include "kernels/pre_gdr_gate/pre_gdr_full_fusion.h"
+#include "ops/policy/determinism.h"
+#include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
 
 namespace gdr {
 namespace {

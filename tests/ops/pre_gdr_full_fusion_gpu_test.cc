@@ -32,8 +32,8 @@
 
 #include "models/qwen/config.h"
 #include "models/qwen/layers.h"
-#include "ops/determinism.h"
-#include "ops/pre_gdr_full_fusion.h"
+#include "ops/policy/determinism.h"
+#include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/expect_close.h"
 

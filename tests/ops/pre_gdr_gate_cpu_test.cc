@@ -12,17 +12,26 @@
 #include <string>
 #include <vector>
 
-#include "kernels/pre_gdr_gate.h"
-#include "ops/autotune.h"
-#include "ops/determinism.h"
-#include "ops/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate.h"
+#include "ops/autotune/autotune.h"
+#include "ops/policy/determinism.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
 
 using kernels::GateShape;
 using kernels::GateTile;
+
+// A policy that differs from the defaults in the gate backward's fixed tile only.
+ExecutionPolicy with_gate_tile(std::optional<GateTile> tile) {
+  ExecutionPolicy policy;
+  policy.gate_tile = tile;
+  return policy;
+}
 
 struct ShapeCase {
   const char* name;
@@ -79,13 +88,12 @@ std::vector<SelectionCase> all_selection_cases() {
 class GateSelectionTest : public testing::TestWithParam<SelectionCase> {
  protected:
   void SetUp() override { clear_autotune_cache(); }
-  void TearDown() override { set_pre_gdr_gate_tile_override(std::nullopt); }
 };
 
 TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
   const SelectionCase& c = GetParam();
   const GateShape shape{c.shape.dim0, c.shape.dim1, c.shape.heads};
-  set_pre_gdr_gate_tile_override(c.override_tile);
+  const ExecutionPolicyGuard policy(with_gate_tile(c.override_tile));
   const auto& candidates = kernels::pre_gdr_gate_candidate_tiles();
 
   // Fake timings that prefer one specific candidate, so the timed choice is known.
@@ -180,7 +188,7 @@ TEST(GateSelection, DeterministicRuleAvoidsWastedLanesAndTinyTilesAtScale) {
 TEST(GateSelection, SinglePassIsPreferredForSmallEagerProblemsOnly) {
   // Both ordered variants give the same bits; the rule trades the single pass's
   // one-block tail against the host cost of a second launch, which only eager calls pay
-  // (kernels/pre_gdr_gate.h). Up to 2^19 elements with at most 256 programs per head
+  // (kernels/pre_gdr_gate/pre_gdr_gate.h). Up to 2^19 elements with at most 256 programs per head
   // column: single pass when eager, two pass under graph capture. Larger: two pass.
   auto preferred = [](int64_t tokens, int64_t heads, bool capturing) {
     const kernels::GateShape shape{1, tokens, heads};
@@ -353,13 +361,14 @@ TEST(GateCachedSelection, AnUntimedChoiceIsNotCachedAndTheOverrideAlwaysWins) {
   EXPECT_EQ(probe.timer_factories, 2) << "the untimed choice must not be cached";
   probe.can_time = true;
   EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kAutotuneTimed);
-  set_pre_gdr_gate_tile_override(GateTile{64, 32, 128});
-  for (bool deterministic : {false, true}) {
-    const auto pinned = probe.select(shape, deterministic);
-    EXPECT_EQ(pinned.config, (GateTile{64, 32, 128}));
-    EXPECT_EQ(pinned.source, SelectionSource::kOverride);
+  {
+    const ExecutionPolicyGuard pinned_tile(with_gate_tile(GateTile{64, 32, 128}));
+    for (bool deterministic : {false, true}) {
+      const auto pinned = probe.select(shape, deterministic);
+      EXPECT_EQ(pinned.config, (GateTile{64, 32, 128}));
+      EXPECT_EQ(pinned.source, SelectionSource::kOverride);
+    }
   }
-  set_pre_gdr_gate_tile_override(std::nullopt);
   EXPECT_EQ(probe.select(shape, false).source, SelectionSource::kAutotuneCache);
 }
 
@@ -383,63 +392,47 @@ TEST(GateAutograd, WithoutGradientsTheForwardSkipsTheAutogradNodeAndGivesTheSame
 }
 
 TEST(GateTileOverride, ParsesTheEnvironmentFormat) {
-  EXPECT_EQ(parse_gate_tile("128x16x256", "GDR_PRE_GDR_GATE_TILE"), (GateTile{128, 16, 256}));
+  const test_support::PolicyForTest policy("GDR_PRE_GDR_GATE_TILE", "128x16x256");
+  EXPECT_EQ(current_execution_policy().gate_tile, (GateTile{128, 16, 256}));
 }
 
 using test_support::error_of;
+using test_support::policy_error;
 
 TEST(GateTileOverride, RefusesImpossibleTilesWithAClearMessage) {
-  EXPECT_EQ(error_of([] { parse_gate_tile("128x16", "GDR_PRE_GDR_GATE_TILE"); }),
-            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
-            "(e.g. 128x16x256), but got '128x16'");
-  EXPECT_EQ(error_of([] { parse_gate_tile("128xAx256", "GDR_PRE_GDR_GATE_TILE"); }),
-            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
-            "(e.g. 128x16x256), but got '128xAx256'");
-  EXPECT_EQ(error_of([] { parse_gate_tile("128x16x100", "GDR_PRE_GDR_GATE_TILE"); }),
+  EXPECT_EQ(policy_error("GDR_PRE_GDR_GATE_TILE", "128x16"),
+            "GDR_PRE_GDR_GATE_TILE: expected auto or a tile BLOCK_TxBLOCK_HxTHREADS of positive "
+            "integers (e.g. 128x16x256), but got '128x16'");
+  EXPECT_EQ(policy_error("GDR_PRE_GDR_GATE_TILE", "128xAx256"),
+            "GDR_PRE_GDR_GATE_TILE: expected auto or a tile BLOCK_TxBLOCK_HxTHREADS of positive "
+            "integers (e.g. 128x16x256), but got '128xAx256'");
+  EXPECT_EQ(policy_error("GDR_PRE_GDR_GATE_TILE", "128x16x100"),
             "GDR_PRE_GDR_GATE_TILE: tile 128x16x100 cannot be launched: threads must be a "
             "multiple of 32 in [32, 1024], got 100");
-  EXPECT_EQ(error_of([] { parse_gate_tile("128x48x256", "GDR_PRE_GDR_GATE_TILE"); }),
+  EXPECT_EQ(policy_error("GDR_PRE_GDR_GATE_TILE", "128x48x256"),
             "GDR_PRE_GDR_GATE_TILE: tile 128x48x256 cannot be launched: block_h must divide "
             "threads (256), got 48");
+  // A policy built in code may hold any tile: the backward's tile choice refuses it.
+  const ExecutionPolicyGuard policy(with_gate_tile(GateTile{4, 16, 256}));
   EXPECT_EQ(error_of([] {
-              set_pre_gdr_gate_tile_override(GateTile{4, 16, 256});
+              select_pre_gdr_gate_tile({1, 64, 16}, "in_f32_param_f32", 0, false,
+                                       [](const GateTile&) { return 1.0; });
             }),
-            "set_pre_gdr_gate_tile_override: tile 4x16x256 cannot be launched: block_t must be "
-            "in [threads / block_h = 16, 65536], got 4");
+            "pre_gdr_gate_backward: the execution policy's pre_gdr_gate_tile 4x16x256 cannot be "
+            "launched: block_t must be in [threads / block_h = 16, 65536], got 4");
 }
 
 TEST(GateTileOverride, EnvironmentVariableIsReadAndValidated) {
-  setenv("GDR_PRE_GDR_GATE_TILE", "256x32x128", 1);
-  EXPECT_EQ(pre_gdr_gate_tile_override(), (GateTile{256, 32, 128}));
-  setenv("GDR_PRE_GDR_GATE_TILE", "0x16x128", 1);
-  EXPECT_EQ(error_of([] { pre_gdr_gate_tile_override(); }),
-            "GDR_PRE_GDR_GATE_TILE: expected a tile BLOCK_TxBLOCK_HxTHREADS of positive integers "
-            "(e.g. 128x16x256), but got '0x16x128'");
-  set_pre_gdr_gate_tile_override(GateTile{32, 16, 128});  // the API wins over the variable
-  EXPECT_EQ(pre_gdr_gate_tile_override(), (GateTile{32, 16, 128}));
-  set_pre_gdr_gate_tile_override(std::nullopt);
-  unsetenv("GDR_PRE_GDR_GATE_TILE");
-  EXPECT_EQ(pre_gdr_gate_tile_override(), std::nullopt);
-}
-
-TEST(GateOrderedVariant, OverrideThenEnvironmentThenAuto) {
-  unsetenv("GDR_PRE_GDR_GATE_ORDERED");
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kAuto);
-  setenv("GDR_PRE_GDR_GATE_ORDERED", "single_pass", 1);
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kSinglePass);
-  setenv("GDR_PRE_GDR_GATE_ORDERED", "two_pass", 1);
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kTwoPass);
-  setenv("GDR_PRE_GDR_GATE_ORDERED", "twopass", 1);
-  EXPECT_EQ(error_of([] { pre_gdr_gate_ordered_variant(); }),
-            "GDR_PRE_GDR_GATE_ORDERED: expected single_pass, two_pass or auto, but got "
-            "'twopass'");
-  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);  // the API wins
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kSinglePass);
-  setenv("GDR_PRE_GDR_GATE_ORDERED", "two_pass", 1);
-  set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);  // clears it: the variable again
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kTwoPass);
-  unsetenv("GDR_PRE_GDR_GATE_ORDERED");
-  EXPECT_EQ(pre_gdr_gate_ordered_variant(), OrderedVariant::kAuto);
+  {
+    const test_support::PolicyForTest policy("GDR_PRE_GDR_GATE_TILE", "256x32x128");
+    EXPECT_EQ(current_execution_policy().gate_tile, (GateTile{256, 32, 128}));
+    EXPECT_EQ(policy_error("GDR_PRE_GDR_GATE_TILE", "0x16x128"),
+              "GDR_PRE_GDR_GATE_TILE: expected auto or a tile BLOCK_TxBLOCK_HxTHREADS of positive "
+              "integers (e.g. 128x16x256), but got '0x16x128'");
+    const ExecutionPolicyGuard inner(with_gate_tile(GateTile{32, 16, 128}));  // the inner one wins
+    EXPECT_EQ(current_execution_policy().gate_tile, (GateTile{32, 16, 128}));
+  }
+  EXPECT_EQ(current_execution_policy().gate_tile, std::nullopt);
 }
 
 // ---------------------------------------------------------------------------

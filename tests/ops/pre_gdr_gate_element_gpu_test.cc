@@ -1,12 +1,12 @@
-// Note [Gate backward fast paths] (kernels/pre_gdr_gate_element.cuh), checked by exhaustion:
-// over every 32-bit pattern, the fast reciprocal and division give the IEEE bits wherever
-// their range tests pass, and the four-element backward gives gate_backward_element's bits
+// Note [Gate backward fast paths] (kernels/pre_gdr_gate/pre_gdr_gate_element.cuh), checked by
+// exhaustion: over every 32-bit pattern, the fast reciprocal and division give the IEEE bits
+// wherever their range tests pass, and the four-element backward gives gate_backward_element's bits
 // for every input (the fast paths and the fallback both).
 #include <gtest/gtest.h>
 
 #include <cstdint>
 
-#include "kernels/pre_gdr_gate_element_check.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate_element_check.h"
 
 namespace gdr {
 namespace {

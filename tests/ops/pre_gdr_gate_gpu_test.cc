@@ -16,9 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "ops/autotune.h"
-#include "ops/determinism.h"
-#include "ops/pre_gdr_gate.h"
+#include "ops/autotune/autotune.h"
+#include "ops/policy/determinism.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 
@@ -99,12 +100,28 @@ void expect_close_to_composite(const Outputs& fused, const Outputs& ref, at::Sca
 
 class GateGpuTest : public testing::Test {
  protected:
-  void SetUp() override {
-    set_deterministic_mode_override(std::nullopt);
-    set_pre_gdr_gate_tile_override(std::nullopt);
-    set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
-  }
+  void SetUp() override { set_deterministic_mode_override(std::nullopt); }
   void TearDown() override { SetUp(); }
+
+  // The gate backward's fixed tile and ordered reduction (the execution policy's gate_tile
+  // and gate_ordered), current on this thread until changed or the test ends.
+  void set_gate_tile(std::optional<GateTile> tile) {
+    policy_.gate_tile = tile;
+    apply_policy();
+  }
+  void set_gate_ordered(GateOrderedVariant variant) {
+    policy_.gate_ordered = variant;
+    apply_policy();
+  }
+
+ private:
+  void apply_policy() {
+    guard_.reset();
+    guard_.emplace(policy_);
+  }
+
+  ExecutionPolicy policy_;
+  std::optional<ExecutionPolicyGuard> guard_;
 };
 
 struct DtypeShape {
@@ -264,7 +281,7 @@ TEST_F(GateGpuTest, VectorisedAndScalarBackwardGiveTheSameBits) {
     return wide.narrow(2, t.size(2), t.size(2));
   };
   for (const Case& c : cases) {
-    set_pre_gdr_gate_tile_override(c.tile);
+    set_gate_tile(c.tile);
     const std::string context = std::string(c10::toString(c.in)) + "/" + c10::toString(c.param) +
                                 " [" + std::to_string(c.dim0) + "," + std::to_string(c.dim1) + "," +
                                 std::to_string(c.heads) + "] tile " +
@@ -287,15 +304,16 @@ TEST_F(GateGpuTest, VectorisedAndScalarBackwardGiveTheSameBits) {
     };
     for (bool deterministic : {true, false}) {
       DeterministicModeGuard mode(deterministic);
-      for (OrderedVariant variant : {OrderedVariant::kTwoPass, OrderedVariant::kSinglePass}) {
-        if (!deterministic && variant == OrderedVariant::kSinglePass) continue;
-        set_pre_gdr_gate_ordered_variant(variant);
+      for (GateOrderedVariant variant :
+           {GateOrderedVariant::kTwoPass, GateOrderedVariant::kSinglePass}) {
+        if (!deterministic && variant == GateOrderedVariant::kSinglePass) continue;
+        set_gate_ordered(variant);
         const std::string run_context =
-            context + (deterministic
-                           ? (variant == OrderedVariant::kTwoPass ? " two-pass" : " single-pass")
-                           : " atomic");
+            context + (deterministic ? (variant == GateOrderedVariant::kTwoPass ? " two-pass"
+                                                                                : " single-pass")
+                                     : " atomic");
         const bool single_pass_fits =
-            !deterministic || variant == OrderedVariant::kTwoPass ||
+            !deterministic || variant == GateOrderedVariant::kTwoPass ||
             (c.tile ? c.tile->threads : 256) >= kernels::kSinglePassMinThreads;
         if (!single_pass_fits) continue;
         const Outputs vec = run_fused(x);
@@ -318,10 +336,10 @@ TEST_F(GateGpuTest, VectorisedAndScalarBackwardGiveTheSameBits) {
           }
         }
       }
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+      set_gate_ordered(GateOrderedVariant::kAuto);
     }
   }
-  set_pre_gdr_gate_tile_override(std::nullopt);
+  set_gate_tile(std::nullopt);
 }
 
 TEST_F(GateGpuTest, OutputsCarvedFromOneAllocationBehaveAsSeparateTensors) {
@@ -378,7 +396,7 @@ TEST_F(GateGpuTest, OverriddenTilesAreUsedInBothModesAndStayCorrect) {
   const Outputs ref = run_composite(x);
   for (const GateTile& tile :
        {GateTile{32, 16, 128}, GateTile{256, 32, 256}, GateTile{100, 64, 64}}) {
-    set_pre_gdr_gate_tile_override(tile);
+    set_gate_tile(tile);
     for (bool deterministic : {false, true}) {
       DeterministicModeGuard mode(deterministic);
       const Outputs fused = run_fused(x);
@@ -390,7 +408,7 @@ TEST_F(GateGpuTest, OverriddenTilesAreUsedInBothModesAndStayCorrect) {
       expect_close_to_composite(fused, ref, at::kBFloat16, "tile " + kernels::to_string(tile));
     }
   }
-  set_pre_gdr_gate_tile_override(std::nullopt);
+  set_gate_tile(std::nullopt);
   DeterministicModeGuard mode(false);
   clear_autotune_cache();
   run_fused(x);
@@ -399,8 +417,10 @@ TEST_F(GateGpuTest, OverriddenTilesAreUsedInBothModesAndStayCorrect) {
   EXPECT_EQ(pre_gdr_gate_last_backward().source, SelectionSource::kAutotuneCache);
 }
 
-void replay_under_contention(OrderedVariant variant, kernels::GateReduction expected) {
-  set_pre_gdr_gate_ordered_variant(variant);
+void replay_under_contention(GateOrderedVariant variant, kernels::GateReduction expected) {
+  ExecutionPolicy policy;
+  policy.gate_ordered = variant;
+  const ExecutionPolicyGuard ordered(policy);
   DeterministicModeGuard mode(true);
   const Inputs x = make_inputs(4, 2048, 16, at::kBFloat16, at::kFloat, 99);
   const Outputs first = run_fused(x);
@@ -419,15 +439,15 @@ void replay_under_contention(OrderedVariant variant, kernels::GateReduction expe
   load.reset();
   EXPECT_EQ(mismatches, 0) << "the ordered backward must give identical bits on every replay";
   EXPECT_EQ(pre_gdr_gate_last_backward().reduction, expected);
-  set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
 }
 
 TEST_F(GateGpuTest, SinglePassOrderedBackwardReplays200TimesBitExactUnderContention) {
-  replay_under_contention(OrderedVariant::kSinglePass, kernels::GateReduction::kOrderedSinglePass);
+  replay_under_contention(GateOrderedVariant::kSinglePass,
+                          kernels::GateReduction::kOrderedSinglePass);
 }
 
 TEST_F(GateGpuTest, TwoPassOrderedBackwardReplays200TimesBitExactUnderContention) {
-  replay_under_contention(OrderedVariant::kTwoPass, kernels::GateReduction::kOrdered);
+  replay_under_contention(GateOrderedVariant::kTwoPass, kernels::GateReduction::kOrdered);
 }
 
 TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
@@ -449,15 +469,15 @@ TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
                     ? kernels::GateReduction::kOrderedSinglePass
                     : kernels::GateReduction::kOrdered)
           << context << ": auto must follow gate_single_pass_preferred";
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kTwoPass);
+      set_gate_ordered(GateOrderedVariant::kTwoPass);
       const Outputs two_pass = run_fused(x);
       EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrdered)
           << context;
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+      set_gate_ordered(GateOrderedVariant::kSinglePass);
       const Outputs single_pass = run_fused(x);
       EXPECT_EQ(pre_gdr_gate_last_backward().reduction, kernels::GateReduction::kOrderedSinglePass)
           << context;
-      set_pre_gdr_gate_ordered_variant(OrderedVariant::kAuto);
+      set_gate_ordered(GateOrderedVariant::kAuto);
       expect_bitwise_equal(single_pass, two_pass, "single vs two pass " + context);
       if (tokens == 1500) {
         expect_close_to_composite(single_pass, run_composite(x), at::kBFloat16, context);
@@ -497,8 +517,8 @@ TEST_F(GateGpuTest, AutoTakesTheSinglePassEagerAndTheTwoPassInAGraphWithTheSameB
 TEST_F(GateGpuTest, SinglePassWithATileUnder256ThreadsIsRefused) {
   DeterministicModeGuard mode(true);
   const Inputs x = make_inputs(1, 1000, 16, at::kFloat, at::kFloat);
-  set_pre_gdr_gate_tile_override(GateTile{64, 16, 128});
-  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+  set_gate_tile(GateTile{64, 16, 128});
+  set_gate_ordered(GateOrderedVariant::kSinglePass);
   try {
     run_fused(x);
     ADD_FAILURE() << "single pass with a 128-thread tile must be refused";
@@ -513,7 +533,7 @@ TEST_F(GateGpuTest, CapturedSinglePassReplaysOnAnotherStreamBesideEagerCalls) {
   // A captured launch owns its ticket counter: replaying the graph on a second stream
   // while eager calls run on the capture stream must not mix their tickets.
   DeterministicModeGuard mode(true);
-  set_pre_gdr_gate_ordered_variant(OrderedVariant::kSinglePass);
+  set_gate_ordered(GateOrderedVariant::kSinglePass);
   const Inputs x = make_inputs(2, 4096, 32, at::kBFloat16, at::kFloat, 5);
   const Outputs eager = run_fused(x);
   c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();

@@ -16,11 +16,12 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/rms_norm.h"
+#include "kernels/rms_norm/rms_norm.h"
 #include "models/qwen/layers.h"
-#include "ops/rms_norm.h"
+#include "ops/rms_norm/rms_norm_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -184,19 +185,19 @@ TEST(RmsNormGpuReplay, BackwardIsBitwiseReproducibleUnderContention) {
 
 TEST(RmsNormGpuSwitch, ModelNormsFollowGdrRmsNorm) {
   const Inputs in = make_inputs({64, 1024}, at::kBFloat16, at::kBFloat16, true, 31);
-  unsetenv("GDR_RMS_NORM");
   EXPECT_TRUE(bitwise_equal(zero_centered_rms_norm(in.x, in.w, 1e-6),
                             zero_centered_rms_norm_fused(in.x, in.w, 1e-6)));
   EXPECT_TRUE(bitwise_equal(gated_rms_norm(in.x, in.z, in.w, 1e-6, at::kBFloat16),
                             gated_rms_norm_fused(in.x, in.z, in.w, 1e-6, at::kBFloat16)));
-  setenv("GDR_RMS_NORM", "composite", 1);
-  EXPECT_TRUE(bitwise_equal(zero_centered_rms_norm(in.x, in.w, 1e-6),
-                            zero_centered_rms_norm_composite(in.x, in.w, 1e-6)));
-  EXPECT_TRUE(bitwise_equal(gated_rms_norm(in.x, in.z, in.w, 1e-6, at::kBFloat16),
-                            gated_rms_norm_composite(in.x, in.z, in.w, 1e-6, at::kBFloat16)));
-  setenv("GDR_RMS_NORM", "bogus", 1);
-  EXPECT_THROW(zero_centered_rms_norm(in.x, in.w, 1e-6), c10::Error);
-  unsetenv("GDR_RMS_NORM");
+  {
+    const test_support::PolicyForTest policy("GDR_RMS_NORM", "composite");
+    EXPECT_TRUE(bitwise_equal(zero_centered_rms_norm(in.x, in.w, 1e-6),
+                              zero_centered_rms_norm_composite(in.x, in.w, 1e-6)));
+    EXPECT_TRUE(bitwise_equal(gated_rms_norm(in.x, in.z, in.w, 1e-6, at::kBFloat16),
+                              gated_rms_norm_composite(in.x, in.z, in.w, 1e-6, at::kBFloat16)));
+  }
+  EXPECT_EQ(test_support::policy_error("GDR_RMS_NORM", "bogus"),
+            "GDR_RMS_NORM: expected fused or composite, but got 'bogus'");
   // FP64 keeps the composite whatever the switch says.
   const at::Tensor xd = in.x.to(at::kDouble), zd = in.z.to(at::kDouble), wd = in.w.to(at::kDouble);
   EXPECT_TRUE(bitwise_equal(gated_rms_norm(xd, zd, wd, 1e-6, at::kDouble),
@@ -347,7 +348,8 @@ TEST(AddRmsNormGpu, FusedGivesTheBitsOfTheAddThenTheFusedNorm) {
     const std::string context =
         c10::str(at::IntArrayRef(c.shape), " ", c10::toString(c.act), "/", c10::toString(c.weight),
                  c.transposed_residual ? " strided residual" : "", c.streaming ? " streaming" : "");
-    if (c.streaming) setenv("GDR_RMS_NORM_KERNEL", "streaming", 1);
+    test_support::PolicyForTest policy;
+    if (c.streaming) policy.set("GDR_RMS_NORM_KERNEL", "streaming");
     const Inputs in =
         make_inputs(c.shape, c.act, c.weight, false, c.shape[0] * 13 + c.shape.back());
     at::Tensor residual = at::randn(c.shape, in.x.options());
@@ -392,7 +394,6 @@ TEST(AddRmsNormGpu, FusedGivesTheBitsOfTheAddThenTheFusedNorm) {
             << context << (with_grad_sum ? " with" : " without") << " grad_sum: " << names[i];
       }
     }
-    unsetenv("GDR_RMS_NORM_KERNEL");
   }
 }
 

@@ -1,8 +1,8 @@
-// The RMSNorm kernel bodies run on the CPU: kernels/rms_norm_kernel.cuh is compiled as
+// The RMSNorm kernel bodies run on the CPU: kernels/rms_norm/rms_norm_kernel.cuh is compiled as
 // host code with stand-ins for the CUDA built-ins (one std::thread per CUDA thread, a
 // barrier for __syncthreads, a per-warp exchange slot and barrier for __shfl_xor_sync,
 // one block at a time) and checked against a plain FP64 loop written from the spec
-// (kernels/rms_norm.h): both flavours, FP32 and BF16 storage, rows of 1024, 256, 128 and
+// (kernels/rms_norm/rms_norm.h): both flavours, FP32 and BF16 storage, rows of 1024, 256, 128 and
 // the odd 100 and 1000 (vectorised and scalar paths), row counts with tails, zero rows,
 // strided row layouts. The weight gradient's partial rows and the ordered second pass are
 // checked bit for bit against the documented summation order (Note [RMSNorm
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/rms_norm.h"
+#include "kernels/rms_norm/rms_norm.h"
 
 // Host stand-ins for the CUDA built-ins the kernel bodies use (see the NOTE in the .cuh).
 #include "tests/ops/emulated_cuda.h"
@@ -31,7 +31,7 @@ inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
 #define __device__
 #define __forceinline__ inline
-#include "kernels/rms_norm_kernel.cuh"
+#include "kernels/rms_norm/rms_norm_kernel.cuh"
 #undef __device__
 #undef __forceinline__
 

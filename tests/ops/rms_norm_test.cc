@@ -1,7 +1,7 @@
-// CPU tests of the RMSNorm ops (ops/rms_norm.h): an independent FP64 loop written from
+// CPU tests of the RMSNorm ops (ops/rms_norm/rms_norm_op.h): an independent FP64 loop written from
 // the spec checked against libtorch autograd of the compositions; the CPU op (forward
 // and backward) against the compositions; the GDR_RMS_NORM switch; the argument checks'
-// exact messages; the backward's launch rule (kernels/rms_norm.h).
+// exact messages; the backward's launch rule (kernels/rms_norm/rms_norm.h).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -12,9 +12,11 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/rms_norm.h"
-#include "ops/rms_norm.h"
+#include "kernels/rms_norm/rms_norm.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/rms_norm/rms_norm_op.h"
 #include "tests/ops/error_of.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -218,16 +220,13 @@ TEST(RmsNormCpu, ZeroRowsGiveEmptyOutputsAndZeroWeightGradient) {
 using test_support::error_of;
 
 TEST(RmsNormSwitch, DefaultsToFusedReadsEveryCallAndNamesTheVariableOnABadValue) {
-  unsetenv("GDR_RMS_NORM");
-  EXPECT_EQ(rms_norm_impl(), RmsNormImpl::kFused);
-  setenv("GDR_RMS_NORM", "composite", 1);
-  EXPECT_EQ(rms_norm_impl(), RmsNormImpl::kComposite);
-  setenv("GDR_RMS_NORM", "fused", 1);
-  EXPECT_EQ(rms_norm_impl(), RmsNormImpl::kFused);
-  setenv("GDR_RMS_NORM", "fast", 1);
-  EXPECT_EQ(error_of([] { rms_norm_impl(); }),
+  EXPECT_EQ(current_execution_policy().rms_norm, RmsNormImpl::kFused);
+  test_support::PolicyForTest policy("GDR_RMS_NORM", "composite");
+  EXPECT_EQ(current_execution_policy().rms_norm, RmsNormImpl::kComposite);
+  policy.set("GDR_RMS_NORM", "fused");
+  EXPECT_EQ(current_execution_policy().rms_norm, RmsNormImpl::kFused);
+  EXPECT_EQ(test_support::policy_error("GDR_RMS_NORM", "fast"),
             "GDR_RMS_NORM: expected fused or composite, but got 'fast'");
-  unsetenv("GDR_RMS_NORM");
 }
 
 TEST(RmsNormSwitch, CpuTensorsAreNotTakenByTheFusedCudaPath) {
@@ -323,14 +322,11 @@ TEST(AddRmsNormCpu, OnlyTheSumUsedPassesItsGradientThrough) {
 }
 
 TEST(AddRmsNormSwitch, DefaultsToFusedAndNamesTheVariableOnABadValue) {
-  unsetenv("GDR_ADD_RMS_NORM");
-  EXPECT_EQ(add_rms_norm_impl(), AddRmsNormImpl::kFused);
-  setenv("GDR_ADD_RMS_NORM", "composite", 1);
-  EXPECT_EQ(add_rms_norm_impl(), AddRmsNormImpl::kComposite);
-  setenv("GDR_ADD_RMS_NORM", "yes", 1);
-  EXPECT_EQ(error_of([] { add_rms_norm_impl(); }),
+  EXPECT_EQ(current_execution_policy().add_rms_norm, AddRmsNormImpl::kFused);
+  test_support::PolicyForTest policy("GDR_ADD_RMS_NORM", "composite");
+  EXPECT_EQ(current_execution_policy().add_rms_norm, AddRmsNormImpl::kComposite);
+  EXPECT_EQ(test_support::policy_error("GDR_ADD_RMS_NORM", "yes"),
             "GDR_ADD_RMS_NORM: expected fused or composite, but got 'yes'");
-  unsetenv("GDR_ADD_RMS_NORM");
 }
 
 TEST(AddRmsNormErrors, MessagesNameTheArgumentWithExpectedAndActual) {

@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "ops/rope.h"
+#include "ops/rope/rope_op.h"
 #include "tests/ops/bitwise_equal.h"
 
 namespace gdr {

@@ -1,4 +1,4 @@
-// CPU tests of the partial RoPE ops (ops/rope.h): the fused op's CPU implementation and its
+// CPU tests of the partial RoPE ops (ops/rope/rope_op.h): the fused op's CPU implementation and its
 // autograd against the composite's (the same ATen formulas: the same values), the
 // GDR_ROPE switch, and the argument checks' exact messages. The composite itself is checked
 // from the spec in tests/models/model_test.cc (PartialRope).
@@ -6,10 +6,11 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "ops/rope.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/rope/rope_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 
 namespace gdr {
 namespace {
@@ -44,14 +45,11 @@ TEST(RopeCpu, FusedOpGivesTheCompositeValues) {
 
 TEST(RopeCpu, SwitchAndArgumentErrors) {
   {
-    test_support::ScopedEnv env("GDR_ROPE", "composite");
-    EXPECT_EQ(rope_impl(), RopeImpl::kComposite);
+    const test_support::PolicyForTest policy("GDR_ROPE", "composite");
+    EXPECT_EQ(current_execution_policy().rope, RopeImpl::kComposite);
   }
-  {
-    test_support::ScopedEnv env("GDR_ROPE", "slow");
-    EXPECT_EQ(error_of([] { rope_impl(); }),
-              "GDR_ROPE: expected fused or composite, but got 'slow'");
-  }
+  EXPECT_EQ(test_support::policy_error("GDR_ROPE", "slow"),
+            "GDR_ROPE: expected fused or composite, but got 'slow'");
   const at::Tensor x = at::zeros({1, 2, 5, 8});
   EXPECT_EQ(error_of([&] { partial_rope_fused(x, 3, 1e4); }),
             "partial_rope: expected an even rotary_dim in (0, 8] but got 3");

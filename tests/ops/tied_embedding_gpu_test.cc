@@ -1,9 +1,9 @@
-// GPU tests of the tied embedding pair (ops/tied_embedding.h, kernels/embedding_rows.cu):
-// the CUDA rows kernel bit for bit against the CPU reference (the 0.8B shapes with
-// Zipf-like repeated ids, and odd shapes: H off the vector width, one token, misaligned
-// rows, an id in more tokens than a block has threads, ids outside the vocabulary); the
-// chain's gradients against the composite; replay determinism; a CUDA-graph capture of
-// forward + backward giving the eager bits.
+// GPU tests of the tied embedding pair (ops/tied_embedding/tied_embedding_op.h,
+// kernels/tied_embedding/embedding_rows.cu): the CUDA rows kernel bit for bit against the CPU
+// reference (the 0.8B shapes with Zipf-like repeated ids, and odd shapes: H off the vector width,
+// one token, misaligned rows, an id in more tokens than a block has threads, ids outside the
+// vocabulary); the chain's gradients against the composite; replay determinism; a CUDA-graph
+// capture of forward + backward giving the eager bits.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -14,7 +14,7 @@
 #include <memory>
 
 #include "gdr/cuda_graph.h"
-#include "ops/tied_embedding.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/tied_embedding_run.h"
 

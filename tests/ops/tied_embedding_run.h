@@ -1,6 +1,6 @@
 // One forward and backward of a tiny tied-embedding chain (lookup -> h + 0.5 silu(h) ->
-// LM head -> sum(logits * probe)), through the fused pair (ops/tied_embedding.h) or the
-// composite the model ran before (at::embedding, what torch::nn::Embedding runs, and
+// LM head -> sum(logits * probe)), through the fused pair (ops/tied_embedding/tied_embedding_op.h)
+// or the composite the model ran before (at::embedding, what torch::nn::Embedding runs, and
 // hidden.matmul(W.t())), plus the independent expectation of the fused W gradient; for
 // the CPU and GPU tests that compare them.
 #pragma once
@@ -8,7 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "ops/tied_embedding.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 
 namespace gdr::test_support {
 

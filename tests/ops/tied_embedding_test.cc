@@ -1,5 +1,5 @@
-// CPU tests of the tied embedding pair (ops/tied_embedding.h): the rows op against a plain
-// loop written from the spec (FP32 sums in token order, one rounding), the chain's
+// CPU tests of the tied embedding pair (ops/tied_embedding/tied_embedding_op.h): the rows op
+// against a plain loop written from the spec (FP32 sums in token order, one rounding), the chain's
 // gradients against the composite (torch::nn::Embedding's at::embedding + matmul), the
 // paths where one of the two backwards does not run, the GDR_TIED_EMBEDDING switch and
 // the argument checks' exact messages.
@@ -10,10 +10,11 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/tied_embedding.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/error_of.h"
-#include "tests/ops/scoped_env.h"
+#include "tests/ops/policy_for_test.h"
 #include "tests/ops/tied_embedding_run.h"
 
 namespace gdr {
@@ -22,8 +23,8 @@ namespace {
 using test_support::bitwise_equal;
 using test_support::error_of;
 using test_support::expected_fused_grad_weight;
+using test_support::PolicyForTest;
 using test_support::run_tied_chain;
-using test_support::ScopedEnv;
 using test_support::TiedChainResult;
 
 // Independent check, written from the spec: for each row v, the rows of the tokens with
@@ -289,22 +290,21 @@ TEST(TiedEmbeddingPathsCpu, FrozenWeightGetsNoGradient) {
 
 TEST(TiedEmbeddingSwitch, ParsesFusedCompositeAndRefusesAnythingElse) {
   {
-    const ScopedEnv unset("GDR_TIED_EMBEDDING", "");
-    EXPECT_EQ(tied_embedding_impl(), TiedEmbeddingImpl::kFused);
+    const PolicyForTest unset("GDR_TIED_EMBEDDING", "");
+    EXPECT_EQ(current_execution_policy().tied_embedding, TiedEmbeddingImpl::kFused);
   }
   {
-    const ScopedEnv composite("GDR_TIED_EMBEDDING", "composite");
-    EXPECT_EQ(tied_embedding_impl(), TiedEmbeddingImpl::kComposite);
+    const PolicyForTest composite("GDR_TIED_EMBEDDING", "composite");
+    EXPECT_EQ(current_execution_policy().tied_embedding, TiedEmbeddingImpl::kComposite);
     EXPECT_FALSE(tied_embedding_fusable(at::zeros({3, 2})));
   }
   {
-    const ScopedEnv fused("GDR_TIED_EMBEDDING", "fused");
-    EXPECT_EQ(tied_embedding_impl(), TiedEmbeddingImpl::kFused);
+    const PolicyForTest fused("GDR_TIED_EMBEDDING", "fused");
+    EXPECT_EQ(current_execution_policy().tied_embedding, TiedEmbeddingImpl::kFused);
     EXPECT_TRUE(tied_embedding_fusable(at::zeros({3, 2}, at::kBFloat16)));
     EXPECT_FALSE(tied_embedding_fusable(at::zeros({3, 2}, at::kLong)));
   }
-  const ScopedEnv bad("GDR_TIED_EMBEDDING", "dense");
-  EXPECT_EQ(error_of([] { tied_embedding_impl(); }),
+  EXPECT_EQ(test_support::policy_error("GDR_TIED_EMBEDDING", "dense"),
             "GDR_TIED_EMBEDDING: expected fused or composite, but got 'dense'");
 }
 

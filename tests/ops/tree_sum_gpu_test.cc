@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/tree_sum.h"
+#include "ops/tree_sum/tree_sum_op.h"
 #include "tests/ops/bitwise_equal.h"
 #include "tests/ops/gpu_contention.h"
 

@@ -1,4 +1,4 @@
-// CPU tests of the pairwise tree sum: the program builder of kernels/tree_sum.h (exact
+// CPU tests of the pairwise tree sum: the program builder of kernels/tree_sum/tree_sum.h (exact
 // step lists), the op's reference evaluation against the leaf-by-leaf definition, and its
 // argument errors (exact messages).
 #include <ATen/ATen.h>
@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/tree_sum.h"
-#include "ops/tree_sum.h"
+#include "kernels/tree_sum/tree_sum.h"
+#include "ops/tree_sum/tree_sum_op.h"
 #include "tests/ops/error_of.h"
 
 namespace gdr {

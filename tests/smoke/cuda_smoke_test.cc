@@ -5,8 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 
-#include "kernels/pre_gdr_gate.h"
-#include "kernels/pre_gdr_gate_math.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate.h"
+#include "kernels/pre_gdr_gate/pre_gdr_gate_math.h"
 
 TEST(CudaSmoke, GateForwardKernelRunsOnTheCurrentStreamAndMatchesTheCpu) {
   ASSERT_TRUE(at::hasCUDA()) << "this test needs a CUDA GPU";
