@@ -11,9 +11,9 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
-#include <optional>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "bench/bench_policy.h"
@@ -78,7 +78,8 @@ void bench_shape(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("attention_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("attention_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   for (int i = 1; i < argc; ++i) {

@@ -1,5 +1,5 @@
-// Benchmark of the fused causal depthwise conv1d + SiLU (ops/causal_conv1d/causal_conv1d_op.h) on one GPU:
-// the kernel's forward, backward (op alone) and forward+backward through autograd, against
+// Benchmark of the fused causal depthwise conv1d + SiLU (ops/causal_conv1d/causal_conv1d_op.h) on
+// one GPU: the kernel's forward, backward (op alone) and forward+backward through autograd, against
 // the ATen composition (pad + cuDNN depthwise conv1d + SiLU, forward and forward+backward
 // through autograd, the model's path before the op), with a device-to-device copy of the
 // same bytes as the bandwidth roofline, all measured in this process with CUDA events
@@ -18,14 +18,14 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "bench/bench_policy.h"
 #include "bench/bench_flags.h"
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
 #include "ops/causal_conv1d/causal_conv1d_op.h"
 
@@ -125,7 +125,8 @@ bool parse_list(const std::string& list, const char* flag, std::vector<T>& out,
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("causal_conv1d_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("causal_conv1d_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<gdr::Shape> shapes = {{2, 2048}, {8, 2048}};

@@ -19,8 +19,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -125,7 +125,8 @@ void bench_shape(const Shape& s, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("cross_entropy_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("cross_entropy_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<gdr::Shape> shapes = {{1, 2048, 248320}, {4, 2048, 248320}};

@@ -1,19 +1,19 @@
-// Benchmark of the fused gated activations (ops/gated_activation/gated_activation_op.h) on one GPU at the 0.8B
-// model's shapes: silu(gate) * x for the MLP ([1, 2048, 3584]) and x * sigmoid(gate) for
-// gated attention ([1, 2048, 2048], the gate split off q_proj's output as in the model),
-// fused against the ATen composite (the model's path before the op), with a device copy of
-// the same bytes as the bandwidth roofline, all in this process with CUDA events (warm-up,
-// then the median; bench/cuda_timing.h), eager (events around one host call) and graph
-// (kPerGraph calls in one CUDA graph: GPU time alone). Compulsory traffic: forward reads
-// gate and x and writes y (3 tensors), backward reads dy, gate, x and writes both
-// gradients (5), forward+backward 8. Prints a Markdown table.
+// Benchmark of the fused gated activations (ops/gated_activation/gated_activation_op.h) on one GPU
+// at the 0.8B model's shapes: silu(gate) * x for the MLP ([1, 2048, 3584]) and x * sigmoid(gate)
+// for gated attention ([1, 2048, 2048], the gate split off q_proj's output as in the model), fused
+// against the ATen composite (the model's path before the op), with a device copy of the same bytes
+// as the bandwidth roofline, all in this process with CUDA events (warm-up, then the median;
+// bench/cuda_timing.h), eager (events around one host call) and graph (kPerGraph calls in one CUDA
+// graph: GPU time alone). Compulsory traffic: forward reads gate and x and writes y (3 tensors),
+// backward reads dy, gate, x and writes both gradients (5), forward+backward 8. Prints a Markdown
+// table.
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,7 +87,8 @@ void bench_case(GatedActivationKind kind, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("gated_activation_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("gated_activation_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<at::ScalarType> dtypes = {at::kBFloat16};

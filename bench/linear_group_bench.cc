@@ -1,5 +1,5 @@
-// Benchmark of the linear group op (ops/linear_group/linear_group_op.h) on one GPU at the 0.8B model's
-// groups (x [1, 2048, 1024] BF16; GDN in_proj_qkv / z / b / a, attention q / k / v, MLP
+// Benchmark of the linear group op (ops/linear_group/linear_group_op.h) on one GPU at the 0.8B
+// model's groups (x [1, 2048, 1024] BF16; GDN in_proj_qkv / z / b / a, attention q / k / v, MLP
 // gate / up): forward+backward through autograd, the group against the composite (one
 // at::linear per weight; autograd adds the input gradients with one add kernel per extra
 // consumer), all in this process with CUDA events (warm-up, then the median;
@@ -11,8 +11,8 @@
 
 #include <cmath>
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,7 +64,8 @@ void bench_group(const char* name, const std::vector<int64_t>& outs) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("linear_group_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("linear_group_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   for (int i = 1; i < argc; ++i) {

@@ -4,8 +4,8 @@
 // Qwen3.5-0.8B training shape (B*T = 8192, BF16) and a larger one. CUDA events around one
 // host call, warm-up then the median of timed repetitions (as bench/pre_gdr_gate_bench.cc
 // "eager"). Effective bandwidth counts the fused path's compulsory bytes (see the header
-// of kernels/pre_gdr_gate/pre_gdr_full_fusion.cu) for both paths, so the unfused column shows how far
-// its extra passes put it from the same work. Prints a Markdown table.
+// of kernels/pre_gdr_gate/pre_gdr_full_fusion.cu) for both paths, so the unfused column shows how
+// far its extra passes put it from the same work. Prints a Markdown table.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -13,13 +13,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "bench/bench_policy.h"
 #include "bench/bench_flags.h"
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
 #include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
 
@@ -100,7 +100,8 @@ void bench_shape(const Shape& s, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("pre_gdr_full_fusion_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("pre_gdr_full_fusion_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<at::ScalarType> dtypes = {at::kBFloat16};

@@ -20,15 +20,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <optional>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "bench/bench_policy.h"
 #include "bench/bench_flags.h"
+#include "bench/bench_policy.h"
 #include "bench/cuda_timing.h"
 #include "kernels/pre_gdr_gate/pre_gdr_gate.h"
 #include "kernels/pre_gdr_gate/pre_gdr_gate_roofline.h"
@@ -275,7 +275,8 @@ void bench_roofline(const Shape& shape, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("pre_gdr_gate_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("pre_gdr_gate_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   bool print_tiles = false;
@@ -294,7 +295,8 @@ int main(int argc, char** argv) {
           "  --tiles   also time every candidate tile of the backward in both modes (each dtype)\n"
           "  --host    also print the host time per call of the forward and each backward\n"
           "  --roofline  also time the backward's traffic alone, its element math alone and\n"
-          "            both (kernels/pre_gdr_gate/pre_gdr_gate_roofline.h); shapes with heads %% 4 == 0\n"
+          "            both (kernels/pre_gdr_gate/pre_gdr_gate_roofline.h); shapes with heads %% 4 "
+          "== 0\n"
           "  --shapes  tokens x heads list (default 8192x16,16384x32,32768x48,65536x64)\n"
           "  --dtypes  activation dtypes (default bf16,f32)\n");
       return 0;

@@ -10,9 +10,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdio>
-#include <optional>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,7 +70,8 @@ void set_deterministic(bool on) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("qwen_step_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("qwen_step_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::string arms_arg = "none,gate,gate+det";

@@ -1,6 +1,6 @@
-// Benchmark of the tied embedding's weight gradient (ops/tied_embedding/tied_embedding_op.h) on one GPU at
-// the 0.8B model's shapes (W [248320, 1024], N tokens of Zipf-like ids): the tail that
-// Note [Tied embedding gradient] replaces, i.e. the composite's dense embedding gradient
+// Benchmark of the tied embedding's weight gradient (ops/tied_embedding/tied_embedding_op.h) on one
+// GPU at the 0.8B model's shapes (W [248320, 1024], N tokens of Zipf-like ids): the tail that Note
+// [Tied embedding gradient] replaces, i.e. the composite's dense embedding gradient
 // (at::embedding_dense_backward: zero fill + scatter) plus the [V, H] add into the LM
 // head's dW, against the fused rows op adding into dW in place; then lookup + LM head
 // forward + backward through autograd, fused against the composite (torch::nn::Embedding's
@@ -13,8 +13,8 @@
 
 #include <cmath>
 #include <cstdio>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,7 +92,8 @@ void bench_case(int64_t tokens, at::ScalarType dtype) {
 }  // namespace gdr
 
 int main(int argc, char** argv) {
-  const std::optional<gdr::ExecutionPolicy> policy = gdr::bench::environment_policy("tied_embedding_bench");
+  const std::optional<gdr::ExecutionPolicy> policy =
+      gdr::bench::environment_policy("tied_embedding_bench");
   if (!policy.has_value()) return 2;
   const gdr::ExecutionPolicyGuard policy_guard(*policy);
   std::vector<at::ScalarType> dtypes = {at::kBFloat16};

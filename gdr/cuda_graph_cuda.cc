@@ -40,8 +40,9 @@ WaitValue32 wait_value32() {
 // cuStreamWaitValue32, a wait the GPU's front end does without any kernel. Every replay
 // first clears the flags on the replaying stream, and the side stream waits for that clear
 // before its first flag wait after the replay, so a flag set by an earlier replay never
-// lets it through. External event nodes (cudaEventRecordExternal) were tried first: the
-// 0.8B step went from 0.25 to 0.55 s with ~300 of them in the microbatch graph.
+// lets it through. External event nodes (cudaEventRecordExternal) instead, ~300 of them in
+// the microbatch graph, make the 0.8B step much slower (measured: docs/benchmarks.md,
+// Decisions).
 constexpr int64_t kMaxMarks = 4096;
 constexpr cuuint32_t kMarkSet = 0x01010101;
 

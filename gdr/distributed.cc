@@ -248,17 +248,17 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::exchange(const std::strin
 // Note [Deferred gradient leaves]
 // Adding leaf by leaf reads and writes the FP32 partial sum once per add: with M
 // microbatches of the 0.8B model that is about 3 x 3.2 GB per add, and an FP32 += BF16 add
-// runs ATen's casting (unrolled) elementwise path at about half the bandwidth (H200 step
-// profile, docs/benchmarks.md). So PairwiseSum keeps the newest leaves as they come (up
+// runs ATen's casting (unrolled) elementwise path well below the HBM bandwidth (step
+// profile: docs/benchmarks_log.md). So PairwiseSum keeps the newest leaves as they come (up
 // to kDeferredLeaves - 1 of them, in their own dtype: half the bytes of FP32 for BF16) and
 // evaluates the binary-counter tree over the FP32 partial sums, the deferred leaves and
 // the last leaf in one pass per tensor
-// (pairwise_tree_sum_out, ops/tree_sum/tree_sum_op.h): each input read once, the sum written once. A
-// full group of kDeferredLeaves leaves (a power of two, and always starting at a multiple
-// of it, so a complete subtree that the counter merges into one node before anything
-// else touches it) is summed into one FP32 partial sum, which bounds the leaves kept.
-// Every merge is still one FP32 add in the tree's order, so the bits are those of the
-// leaf-by-leaf evaluation (tests/gdr/distributed_test.cc checks both against at::add).
+// (pairwise_tree_sum_out, ops/tree_sum/tree_sum_op.h): each input read once, the sum written once.
+// A full group of kDeferredLeaves leaves (a power of two, and always starting at a multiple of it,
+// so a complete subtree that the counter merges into one node before anything else touches it) is
+// summed into one FP32 partial sum, which bounds the leaves kept. Every merge is still one FP32 add
+// in the tree's order, so the bits are those of the leaf-by-leaf evaluation
+// (tests/gdr/distributed_test.cc checks both against at::add).
 static_assert((PairwiseSum::kDeferredLeaves & (PairwiseSum::kDeferredLeaves - 1)) == 0,
               "a deferred group must be a complete subtree");
 

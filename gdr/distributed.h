@@ -172,7 +172,8 @@ class OverlappedReduction {
 // complete binary tree. Every merge is one FP32 add (16-bit leaves widen exactly). The
 // adds are deferred and fused (Note [Deferred gradient leaves] in distributed.cc): the
 // newest leaves are kept as they are and evaluated together with the partial sums in one
-// pass per tensor (ops/tree_sum/tree_sum_op.h), which gives the same bits as adding them one by one.
+// pass per tensor (ops/tree_sum/tree_sum_op.h), which gives the same bits as adding them one by
+// one.
 class PairwiseSum {
  public:
   // Leaves kept unmerged at most; a full group of them is summed into one FP32 partial sum.

@@ -14,8 +14,8 @@ namespace gdr {
 namespace {
 
 // 256 MiB of FP32 gradients: the granularity of the overlapped sum and of the ranged
-// two-rank all-reduce. Ranges of 256 MiB ran at ~300 GB/s where 64 MiB ones ran at ~230 on
-// the H200 pair (docs/benchmarks.md).
+// two-rank all-reduce. NCCL moves 256 MiB ranges faster than 64 MiB ones (measured:
+// docs/benchmarks.md, Data parallelism on two H200s).
 constexpr int64_t kRangeElements = int64_t{64} << 20;
 
 // Note [Graph marks]: counts down a range's parameters as autograd stores their gradients

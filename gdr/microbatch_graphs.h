@@ -51,8 +51,8 @@ class RangeAllReduce;
 // with two ranks, see MicrobatchGraph::sum_ranges_when_final). Capture fails (with an error
 // naming train.cuda_graphs) when an op synchronises with the host; keep forward and
 // backward free of .item() and pageable copies. The graph's memory pool holds one
-// microbatch's activations for the run's lifetime (the 0.8B peak fell anyway, 26.9 -> 21.2
-// GiB, as the eager microbatches' allocations went away).
+// microbatch's activations for the run's lifetime (the 0.8B peak falls anyway, as the eager
+// microbatches' allocations go away: docs/benchmarks_log.md).
 //
 // One graph per position k mod PairwiseSum::kDeferredLeaves in the step (so up to four),
 // all sharing one memory pool (the activations of one microbatch; CudaGraphCapture's
@@ -60,8 +60,8 @@ class RangeAllReduce;
 // of a deferred group as they are (PairwiseSum::add_kept) and sums the group in one pass
 // when it is complete, at position k = 4j + 3, or at the step's end; the next replay of
 // graph k mod 4 comes after that on the same stream, so a leaf is read before it is
-// overwritten. With a single graph every leaf had to be copied out before the next replay
-// (PairwiseSum's former add_copy_of): 3 of the 4 leaves per 0.8B step, 3.1 ms of 191.
+// overwritten. With a single graph every leaf would have to be copied out before the next
+// replay: 3 of the 4 leaves per 0.8B step (their cost: docs/benchmarks.md, Decisions).
 // All the position graphs are captured together, in position order, at the first graphed
 // microbatch (step 1's second, after the eager warm-up one), because a shared pool is only
 // safe when graphs replay in the order they were captured: a later capture may place its
@@ -69,8 +69,8 @@ class RangeAllReduce;
 // workspace), so graph j < i must not replay between graph i's replay and the tree's read
 // of leaf i. In position order it never does: the replay after graph i that reaches a
 // lower position starts the next group, and the tree has summed leaf i's group before it.
-// (Capturing graph 0 last, at step 2, put leaf 0 into graph 1's activations: NaN gradients
-// on the H200.) The last position's graph carries the marks.
+// (Capturing graph 0 last, at step 2, puts leaf 0 into graph 1's activations: NaN
+// gradients.) The last position's graph carries the marks.
 struct MicrobatchGraph {
   at::Tensor ids;   // the graph's input: [batch, window] token ids
   at::Tensor loss;  // its outputs, overwritten by every replay
@@ -78,8 +78,8 @@ struct MicrobatchGraph {
   // gradients as backward left them (BF16 for bf16 training), in params order.
   // PairwiseSum::add_kept and finish_with_last widen them as they add them (one pass over
   // the gradients instead of a widening copy and then an add; the bits of the eager path's
-  // grad.to(kFloat) leaves). Widening outside the graph, per tensor, was
-  // tried first: ~300 launches per replay filled the stream's launch queue.
+  // grad.to(kFloat) leaves). Widening outside the graph, per tensor, would take ~300
+  // launches per replay and fill the stream's launch queue.
   std::vector<at::Tensor> leaf;
   // Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
   // last parameter first (each range's indices descending), and for each range the mark

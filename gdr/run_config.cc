@@ -125,97 +125,100 @@ Field kernel_field(const std::string& key) {
 
 const std::vector<Field>& run_fields() {
   static const std::vector<Field>* const fields = [] {
-  auto* all = new std::vector<Field>{
-      choice_field(
-          "data", "source", {"embedded", "indexed"},
-          [](RunConfig& c, size_t i) {
-            c.data.source = i == 0 ? DataSource::kEmbedded : DataSource::kIndexed;
-          },
-          [](const RunConfig& c) -> size_t { return c.data.source == DataSource::kIndexed; }),
-      string_field("data", "path", [](RunConfig& c) -> std::string& { return c.data.path; }),
-      string_field("data", "prefix", [](RunConfig& c) -> std::string& { return c.data.prefix; }),
-      int_field("data", "seq_len", [](RunConfig& c) -> int64_t& { return c.data.seq_len; }),
-      int_field("data", "micro_batch_size",
-                [](RunConfig& c) -> int64_t& { return c.data.micro_batch_size; }),
-      choice_field(
-          "optimizer", "impl", {"fused", "loop"},
-          [](RunConfig& c, size_t i) {
-            c.optimizer.impl = i == 0 ? OptimizerImpl::kFused : OptimizerImpl::kLoop;
-          },
-          [](const RunConfig& c) -> size_t { return c.optimizer.impl == OptimizerImpl::kLoop; }),
-      double_field("optimizer", "lr", [](RunConfig& c) -> double& { return c.optimizer.lr; }),
-      {"optimizer", "betas",
-       [](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {
-         if (!n.IsSequence() || n.size() != 2) {
-           return key_error(
-               f, k,
-               absl::StrCat("expected a list of two numbers but got ", describe_yaml_node(n)));
-         }
-         if (absl::Status s = read_plain(n[0], k + "[0]", f, "a number", &c.optimizer.beta1);
-             !s.ok()) {
-           return s;
-         }
-         return read_plain(n[1], k + "[1]", f, "a number", &c.optimizer.beta2);
-       },
-       [](RunConfig& c) {
-         return absl::StrCat("[", exact(c.optimizer.beta1), ", ", exact(c.optimizer.beta2), "]");
-       }},
-      double_field("optimizer", "eps", [](RunConfig& c) -> double& { return c.optimizer.eps; }),
-      double_field("optimizer", "weight_decay",
-                   [](RunConfig& c) -> double& { return c.optimizer.weight_decay; }),
-      double_field("optimizer", "grad_clip",
-                   [](RunConfig& c) -> double& { return c.optimizer.grad_clip; }),
-      int_field("schedule", "warmup_steps",
-                [](RunConfig& c) -> int64_t& { return c.schedule.warmup_steps; }),
-      int_field("schedule", "total_steps",
-                [](RunConfig& c) -> int64_t& { return c.schedule.total_steps; }),
-      double_field("schedule", "min_lr_ratio",
-                   [](RunConfig& c) -> double& { return c.schedule.min_lr_ratio; }),
-      int_field("train", "steps", [](RunConfig& c) -> int64_t& { return c.train.steps; }),
-      int_field("train", "grad_accum", [](RunConfig& c) -> int64_t& { return c.train.grad_accum; }),
-      int_field("train", "seed", [](RunConfig& c) -> int64_t& { return c.train.seed; }),
-      choice_field(
-          "train", "dtype", {"fp32", "bf16"},
-          [](RunConfig& c, size_t i) {
-            c.train.dtype = i == 0 ? TrainDtype::kFloat32 : TrainDtype::kBFloat16;
-          },
-          [](const RunConfig& c) -> size_t { return c.train.dtype == TrainDtype::kBFloat16; }),
-      choice_field(
-          "train", "device", {"cpu", "cuda"},
-          [](RunConfig& c, size_t i) {
-            c.train.device = i == 0 ? TrainDevice::kCpu : TrainDevice::kCuda;
-          },
-          [](const RunConfig& c) -> size_t { return c.train.device == TrainDevice::kCuda; }),
-      int_field("train", "log_every", [](RunConfig& c) -> int64_t& { return c.train.log_every; }),
-      string_field("train", "metrics_path",
-                   [](RunConfig& c) -> std::string& { return c.train.metrics_path; }),
-      string_field("train", "checkpoint_dir",
-                   [](RunConfig& c) -> std::string& { return c.train.checkpoint_dir; }),
-      int_field("train", "checkpoint_every",
-                [](RunConfig& c) -> int64_t& { return c.train.checkpoint_every; }),
-      string_field("train", "snapshot_dir",
-                   [](RunConfig& c) -> std::string& { return c.train.snapshot_dir; }),
-      choice_field(
-          "train", "on_nonfinite", {"stop", "skip"},
-          [](RunConfig& c, size_t i) {
-            c.train.on_nonfinite = i == 0 ? OnNonfinite::kStop : OnNonfinite::kSkip;
-          },
-          [](const RunConfig& c) -> size_t { return c.train.on_nonfinite == OnNonfinite::kSkip; }),
-      int_field("train", "num_threads",
-                [](RunConfig& c) -> int64_t& { return c.train.num_threads; }),
-      choice_field(
-          "train", "overlap_grad_reduction", {"false", "true"},
-          [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
-          [](const RunConfig& c) -> size_t { return c.train.overlap_grad_reduction ? 1 : 0; }),
-      choice_field(
-          "train", "cuda_graphs", {"false", "true"},
-          [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
-          [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
-  };
-  for (const ExecutionPolicyKey& key : execution_policy_keys()) {
-    if (absl::StartsWith(key.config_key, "kernels.")) all->push_back(kernel_field(key.key));
-  }
-  return all;
+    auto* all = new std::vector<Field>{
+        choice_field(
+            "data", "source", {"embedded", "indexed"},
+            [](RunConfig& c, size_t i) {
+              c.data.source = i == 0 ? DataSource::kEmbedded : DataSource::kIndexed;
+            },
+            [](const RunConfig& c) -> size_t { return c.data.source == DataSource::kIndexed; }),
+        string_field("data", "path", [](RunConfig& c) -> std::string& { return c.data.path; }),
+        string_field("data", "prefix", [](RunConfig& c) -> std::string& { return c.data.prefix; }),
+        int_field("data", "seq_len", [](RunConfig& c) -> int64_t& { return c.data.seq_len; }),
+        int_field("data", "micro_batch_size",
+                  [](RunConfig& c) -> int64_t& { return c.data.micro_batch_size; }),
+        choice_field(
+            "optimizer", "impl", {"fused", "loop"},
+            [](RunConfig& c, size_t i) {
+              c.optimizer.impl = i == 0 ? OptimizerImpl::kFused : OptimizerImpl::kLoop;
+            },
+            [](const RunConfig& c) -> size_t { return c.optimizer.impl == OptimizerImpl::kLoop; }),
+        double_field("optimizer", "lr", [](RunConfig& c) -> double& { return c.optimizer.lr; }),
+        {"optimizer", "betas",
+         [](const YAML::Node& n, const std::string& k, const std::string& f, RunConfig& c) {
+           if (!n.IsSequence() || n.size() != 2) {
+             return key_error(
+                 f, k,
+                 absl::StrCat("expected a list of two numbers but got ", describe_yaml_node(n)));
+           }
+           if (absl::Status s = read_plain(n[0], k + "[0]", f, "a number", &c.optimizer.beta1);
+               !s.ok()) {
+             return s;
+           }
+           return read_plain(n[1], k + "[1]", f, "a number", &c.optimizer.beta2);
+         },
+         [](RunConfig& c) {
+           return absl::StrCat("[", exact(c.optimizer.beta1), ", ", exact(c.optimizer.beta2), "]");
+         }},
+        double_field("optimizer", "eps", [](RunConfig& c) -> double& { return c.optimizer.eps; }),
+        double_field("optimizer", "weight_decay",
+                     [](RunConfig& c) -> double& { return c.optimizer.weight_decay; }),
+        double_field("optimizer", "grad_clip",
+                     [](RunConfig& c) -> double& { return c.optimizer.grad_clip; }),
+        int_field("schedule", "warmup_steps",
+                  [](RunConfig& c) -> int64_t& { return c.schedule.warmup_steps; }),
+        int_field("schedule", "total_steps",
+                  [](RunConfig& c) -> int64_t& { return c.schedule.total_steps; }),
+        double_field("schedule", "min_lr_ratio",
+                     [](RunConfig& c) -> double& { return c.schedule.min_lr_ratio; }),
+        int_field("train", "steps", [](RunConfig& c) -> int64_t& { return c.train.steps; }),
+        int_field("train", "grad_accum",
+                  [](RunConfig& c) -> int64_t& { return c.train.grad_accum; }),
+        int_field("train", "seed", [](RunConfig& c) -> int64_t& { return c.train.seed; }),
+        choice_field(
+            "train", "dtype", {"fp32", "bf16"},
+            [](RunConfig& c, size_t i) {
+              c.train.dtype = i == 0 ? TrainDtype::kFloat32 : TrainDtype::kBFloat16;
+            },
+            [](const RunConfig& c) -> size_t { return c.train.dtype == TrainDtype::kBFloat16; }),
+        choice_field(
+            "train", "device", {"cpu", "cuda"},
+            [](RunConfig& c, size_t i) {
+              c.train.device = i == 0 ? TrainDevice::kCpu : TrainDevice::kCuda;
+            },
+            [](const RunConfig& c) -> size_t { return c.train.device == TrainDevice::kCuda; }),
+        int_field("train", "log_every", [](RunConfig& c) -> int64_t& { return c.train.log_every; }),
+        string_field("train", "metrics_path",
+                     [](RunConfig& c) -> std::string& { return c.train.metrics_path; }),
+        string_field("train", "checkpoint_dir",
+                     [](RunConfig& c) -> std::string& { return c.train.checkpoint_dir; }),
+        int_field("train", "checkpoint_every",
+                  [](RunConfig& c) -> int64_t& { return c.train.checkpoint_every; }),
+        string_field("train", "snapshot_dir",
+                     [](RunConfig& c) -> std::string& { return c.train.snapshot_dir; }),
+        choice_field(
+            "train", "on_nonfinite", {"stop", "skip"},
+            [](RunConfig& c, size_t i) {
+              c.train.on_nonfinite = i == 0 ? OnNonfinite::kStop : OnNonfinite::kSkip;
+            },
+            [](const RunConfig& c) -> size_t {
+              return c.train.on_nonfinite == OnNonfinite::kSkip;
+            }),
+        int_field("train", "num_threads",
+                  [](RunConfig& c) -> int64_t& { return c.train.num_threads; }),
+        choice_field(
+            "train", "overlap_grad_reduction", {"false", "true"},
+            [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
+            [](const RunConfig& c) -> size_t { return c.train.overlap_grad_reduction ? 1 : 0; }),
+        choice_field(
+            "train", "cuda_graphs", {"false", "true"},
+            [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
+            [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
+    };
+    for (const ExecutionPolicyKey& key : execution_policy_keys()) {
+      if (absl::StartsWith(key.config_key, "kernels.")) all->push_back(kernel_field(key.key));
+    }
+    return all;
   }();
   return *fields;
 }
@@ -424,16 +427,16 @@ ExecutionPolicy file_execution_policy(const RunConfig& config) {
   return policy;
 }
 
-absl::StatusOr<ExecutionPolicy> execution_policy_for_run(const RunConfig& config,
-                                                         EnvironmentReader get,
-                                                         std::vector<std::string>* from_environment) {
+absl::StatusOr<ExecutionPolicy> execution_policy_for_run(
+    const RunConfig& config, EnvironmentReader get, std::vector<std::string>* from_environment) {
   ExecutionPolicy policy = file_execution_policy(config);
   if (absl::Status s = apply_environment_overrides(policy, std::move(get), from_environment);
       !s.ok()) {
     return s;
   }
   if (absl::Status s = validate_execution_policy(policy); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat(config.source, " with the environment: ", s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat(config.source, " with the environment: ", s.message()));
   }
   return policy;
 }

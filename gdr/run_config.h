@@ -57,8 +57,8 @@ struct DataConfig {
   int64_t micro_batch_size = 4;
 };
 
-// How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h: gradient
-// clip, AdamW and the BF16 parameter store in one multi-tensor pass on CUDA, with the bits
+// How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h:
+// gradient clip, AdamW and the BF16 parameter store in one multi-tensor pass on CUDA, with the bits
 // of ATen's _foreach_mul_ + _fused_adamw_ (what torch.optim.AdamW(fused=True) runs) +
 // _foreach_copy_), kLoop is libtorch's torch::optim::AdamW::step() (several ATen ops per
 // parameter). Same formula, same state

@@ -21,9 +21,9 @@
 #include "gdr/microbatch_graphs.h"
 #include "gdr/sha256.h"
 #include "io/file_util.h"
-#include "ops/policy/determinism.h"
 #include "models/qwen/model.h"
 #include "ops/fused_adamw/fused_adamw_op.h"
+#include "ops/policy/determinism.h"
 #include "ops/policy/execution_policy.h"
 
 namespace gdr {
@@ -253,16 +253,16 @@ struct Trainer::Impl {
               StepStats& stats);
 
   // Note [Fused AdamW]: the optimizer tail of a step in one multi-tensor kernel family,
-  // gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h): per element, the gradient clip (grad *=
-  // grad_coef, written back so last_grads holds the clipped gradients), the AdamW update of
-  // the FP32 master and its moments, and, in mixed precision, the store of the new master
-  // rounded to BF16 into the model's parameter. On CUDA that is one launch (the step is
-  // host-bound and this was ~225 launches: _foreach_mul_, _foreach_add_ on per-master step
-  // counters, _fused_adamw_, _foreach_copy_) and reads the gradients once; it gives the bits
-  // of that ATen sequence, which is what it runs on the CPU. It works on the state
-  // torch::optim::AdamW keeps (the integer step of each AdamWParamState is the step count
-  // the kernel takes, as a float), so snapshots, checkpoints and resume do not depend on the
-  // implementation. Elementwise, hence deterministic. grad_coef: 1 when not clipping.
+  // gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h): per element, the gradient clip (grad
+  // *= grad_coef, written back so last_grads holds the clipped gradients), the AdamW update of the
+  // FP32 master and its moments, and, in mixed precision, the store of the new master rounded to
+  // BF16 into the model's parameter. On CUDA that is one launch (the step is host-bound and the
+  // ATen sequence is ~225 launches: _foreach_mul_, _foreach_add_ on per-master step counters,
+  // _fused_adamw_, _foreach_copy_) and reads the gradients once; it gives the bits of that ATen
+  // sequence, which is what it runs on the CPU. It works on the state torch::optim::AdamW keeps
+  // (the integer step of each AdamWParamState is the step count the kernel takes, as a float), so
+  // snapshots, checkpoints and resume do not depend on the implementation. Elementwise, hence
+  // deterministic. grad_coef: 1 when not clipping.
   void fused_adamw_step(double lr, double grad_coef) {
     const OptimizerConfig& o = config.optimizer;
     // Masters grouped by the step they take (one group in practice: every state is created
@@ -330,8 +330,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       TokenWindows::open(config.data, static_cast<uint64_t>(config.train.seed));
   if (!data.ok()) return data.status();
 
-  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(*data), *policy,
-                                             std::move(policy_from_environment)});
+  auto impl = std::unique_ptr<Impl>(
+      new Impl{config, std::move(*data), *policy, std::move(policy_from_environment)});
   impl->device = device;
   impl->group = std::move(group);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
@@ -497,7 +497,7 @@ at::Tensor Trainer::Impl::upload(const std::vector<std::vector<int64_t>>& mine) 
 // RangeAllReduce, so its transfer overlaps the rest of the backward too. With more
 // ranks the reduction runs after the loop. (Handing the gradients over from an eager
 // last backward cost more host and GPU time than the overlap hid: docs/benchmarks.md,
-// issue 7.) Eager runs with several ranks hand over from the last backward's hooks.
+// Decisions.) Eager runs with several ranks hand over from the last backward's hooks.
 MicrobatchPlan Trainer::Impl::plan_microbatches(size_t count) const {
   MicrobatchPlan plan;
   plan.count = count;
@@ -652,8 +652,9 @@ absl::StatusOr<std::vector<at::Tensor>> Trainer::Impl::reduce_gradients(LocalGra
 void Trainer::Impl::measure(const std::vector<at::Tensor>& grads, StepStats& stats) const {
   // Global L2 norm: per-tensor FP32 norms, then the norm of those, in a fixed order. One
   // multi-tensor op (on CUDA a few launches of per-chunk partials summed in chunk order:
-  // no atomics, so deterministic) instead of one reduction launch per tensor, which cost
-  // ~2 ms per 0.8B step in 321 launches; on the CPU it is the per-tensor norm.
+  // no atomics, so deterministic) instead of one reduction launch per tensor (321 in the
+  // 0.8B model, slower: docs/benchmarks.md, Other kernels in the 0.8B step); on the CPU it
+  // is the per-tensor norm.
   const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
   stats.grad_norm = at::stack(norms).norm().item<double>();
   double loss_sum = 0;

@@ -29,10 +29,10 @@
 // resume() refuses a checkpoint whose policy differs in a choice that changes the bits.
 //
 // Determinism: with model.deterministic_mode (or GDR_DETERMINISTIC=1) the trainer turns on
-// PyTorch's deterministic algorithms before building anything. Everything that decides a step's result is then a function of
-// (config, seed, data, checkpoint): init from init_qwen_weights(seed), the data order from
-// TokenWindows, the clip factor computed on the host. The default CPU generator is seeded
-// from train.seed (it starts nondeterministic in every process); its state is saved and
+// PyTorch's deterministic algorithms before building anything. Everything that decides a step's
+// result is then a function of (config, seed, data, checkpoint): init from init_qwen_weights(seed),
+// the data order from TokenWindows, the clip factor computed on the host. The default CPU generator
+// is seeded from train.seed (it starts nondeterministic in every process); its state is saved and
 // restored although no current op draws from it (no dropout), so a future one stays exact.
 // CPU reductions in ATen split work by thread count: bit-exactness holds for the same
 // binary with the same number of threads (pin it with train.num_threads to compare runs

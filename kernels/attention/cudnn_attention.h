@@ -8,9 +8,10 @@
 // workspace variant, whose dQ is a GEMM over a materialised dP instead of atomics), which
 // ATen does not ask for. This file asks for it when `deterministic` is set.
 //
-// No torch here: pointers, strides and a stream. The libtorch op (ops/attention/attention_op_cuda.cc)
-// allocates outputs and the workspace from the caching allocator and turns errors into
-// TORCH_CHECKs. Errors are thrown as std::runtime_error with the reason cuDNN gave.
+// No torch here: pointers, strides and a stream. The libtorch op
+// (ops/attention/attention_op_cuda.cc) allocates outputs and the workspace from the caching
+// allocator and turns errors into TORCH_CHECKs. Errors are thrown as std::runtime_error with the
+// reason cuDNN gave.
 #pragma once
 
 #include <cuda_runtime_api.h>

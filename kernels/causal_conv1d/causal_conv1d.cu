@@ -1,6 +1,7 @@
 // CUDA kernels of the fused causal depthwise conv1d + SiLU (forward, backward, ordered
 // weight-gradient reduction): thin __global__ wrappers around the bodies in
-// kernels/causal_conv1d/causal_conv1d_kernel.cuh, then the launchers. Contract in kernels/causal_conv1d/causal_conv1d.h.
+// kernels/causal_conv1d/causal_conv1d_kernel.cuh, then the launchers. Contract in
+// kernels/causal_conv1d/causal_conv1d.h.
 //
 // Why a second kernel for the weight gradient: dw sums over every token. Atomics would
 // make that one pass, but the order of the float additions would then follow block
@@ -28,20 +29,20 @@ using causal_conv_detail::reduce_partials_block;
 constexpr int kTileThreads = kCausalConvChannelThreads * kCausalConvTileRows;
 constexpr int kTileBlocksPerSm = 2;
 
-// Channels per thread. Forward: 16-byte loads (8 BF16/FP16, 4 FP32). Backward: 2 in every
-// dtype, because a thread keeps 4 * VEC * K floats live (weights, input and dpre windows,
-// tap sums) besides its loads in flight, and more channels would cost the occupancy or the
-// loads in flight that keep HBM busy. Both kernels are built for 2 blocks per SM (<= 128
-// registers, no spills at K = 4 per ptxas -v). NOTE: untuned guesses until
-// bench/causal_conv1d_bench.cc has been run on the H200.
+// Channels per thread. Forward: see ForwardConfig below. Backward: 2 in every dtype,
+// because a thread keeps 4 * VEC * K floats live (weights, input and dpre windows, tap
+// sums) besides its loads in flight, and more channels would cost the occupancy or the
+// loads in flight that keep HBM busy; the backward is built for 2 blocks per SM (<= 128
+// registers, no spills at K = 4 per ptxas -v), and every other channel, token and block
+// count swept was slower (bench/causal_conv1d_bench; docs/benchmarks.md, Decisions).
 // Forward configuration per storage type: channels per thread, tokens whose loads are
 // issued together, and the blocks per SM __launch_bounds__ promises. y is a per-element
 // function, so these change speed only. 16-bit types: 4 channels (8-byte loads), 8 tokens
-// in flight, 3 blocks (80 registers): on the H200 the 0.8B layer's 1 x 2048 x 6144 BF16
-// forward took 25.4 us against 42.5 with 8 channels (16-byte loads), 4 tokens, 2 blocks
-// (125 registers, 16 warps per SM); 8 x 4 x 2, 4 x 4 x 4 and 4 x 8 x 4 measured 46.6, 26.5
-// and 40.8 us (bench/causal_conv1d_bench, docs/benchmarks.md). FP32: 4 channels (16 bytes),
-// 4 tokens, 2 blocks, as before.
+// in flight, 3 blocks (80 registers), the fastest of the configurations swept on the 0.8B
+// layer's 1 x 2048 x 6144 BF16 forward, ahead of 8 channels (16-byte loads), 4 tokens,
+// 2 blocks (125 registers, 16 warps per SM) and of 8 x 8 x 2, 4 x 4 x 4 and 4 x 8 x 4
+// (measured: docs/benchmarks.md, Causal conv1d + SiLU and Decisions). FP32: 4 channels
+// (16 bytes), 4 tokens, 2 blocks.
 template <typename T>
 struct ForwardConfig {
   static constexpr int kVec = 4;

@@ -1,13 +1,14 @@
 // The causal conv1d + SiLU kernel bodies (device code only; contract, math and launch rules
-// in kernels/causal_conv1d/causal_conv1d.h). Included by kernels/causal_conv1d/causal_conv1d.cu, which wraps them in
+// in kernels/causal_conv1d/causal_conv1d.h). Included by kernels/causal_conv1d/causal_conv1d.cu,
+// which wraps them in
 // __global__ kernels, and by the CPU test //tests/ops:causal_conv1d_kernel_emulation_test,
 // which supplies host stand-ins for the CUDA built-ins (__device__, __forceinline__,
 // threadIdx, blockIdx, __syncthreads; expf and fmaf come from <math.h>) and runs this very
 // code with one host thread per CUDA thread, so the indexing, the sequence tails and the
 // summation order are checked on machines without a GPU. Storage conversions come from
-// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
-// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
-// those listed: the emulation test defines exactly those.
+// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit
+// types). NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA
+// APIs beyond those listed: the emulation test defines exactly those.
 //
 // Note [Causal conv determinism] (see also kernels/causal_conv1d/causal_conv1d.h)
 // y and dx are per-element functions of x, dy and w (taps summed in a fixed order), so
@@ -29,8 +30,8 @@ namespace gdr::kernels::causal_conv_detail {
 // Tokens whose loads a thread issues before using the first of them: one load per thread
 // in flight would leave HBM idle at the occupancy these register-heavy kernels get (2-3
 // blocks of 256 threads per SM). Defaults; forward_tile and backward_tile take others
-// (kernels/causal_conv1d/causal_conv1d.cu picks the forward's per storage type: 8 x 8 bytes for 16-bit
-// types). Backward: 8 x (x, dy) x 4 bytes in 16-bit dtypes. Larger groups cost registers
+// (kernels/causal_conv1d/causal_conv1d.cu picks the forward's per storage type: 8 x 8 bytes for
+// 16-bit types). Backward: 8 x (x, dy) x 4 bytes in 16-bit dtypes. Larger groups cost registers
 // (ptxas -v: ~125 for the backward at K = 4).
 constexpr int kForwardTokensInFlight = 4;
 constexpr int kBackwardTokensInFlight = 8;

@@ -1,5 +1,5 @@
-// Host-side launch rules of the causal conv1d + SiLU kernels (kernels/causal_conv1d/causal_conv1d.h); no
-// CUDA needed.
+// Host-side launch rules of the causal conv1d + SiLU kernels
+// (kernels/causal_conv1d/causal_conv1d.h); no CUDA needed.
 #include "kernels/causal_conv1d/causal_conv1d.h"
 
 namespace gdr::kernels {

@@ -2,9 +2,9 @@
 // shared memory: what the chunk GEMM (kernels/gdr_core/chunk_gemm_kernel.cuh) runs its 3xTF32
 // products on where the architecture has them. mma.sync (kernels/common/mma_tf32.cuh) makes every
 // warp load its fragments from shared memory with ordinary loads, which on the chunk GEMM
-// kept the L1/TEX pipe at 64% and the tensor pipe mostly idle (docs/benchmarks.md, runs
-// 72-73); wgmma reads the operands itself, asynchronously, one instruction per 64 x 64 x 8
-// step of a 128-thread warpgroup.
+// keeps the L1/TEX pipe busy and the tensor pipe mostly idle (profiled: docs/benchmarks.md,
+// Decisions); wgmma reads the operands itself, asynchronously, one instruction per
+// 64 x 64 x 8 step of a 128-thread warpgroup.
 // NOTE: keep this file free of includes and of CUDA APIs beyond __device__,
 // __forceinline__ and the inline PTX under #if: with GDR_WGMMA_TF32_HOST_HELPERS defined
 // the primitives (shared_address, fence_operands_for_wgmma, wgmma_fence, wgmma_commit,

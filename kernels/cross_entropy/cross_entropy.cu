@@ -1,6 +1,7 @@
 // CUDA kernels of the fused causal-LM cross-entropy (row forward, ordered mean, row
-// backward): thin __global__ wrappers around the bodies in kernels/cross_entropy/cross_entropy_kernel.cuh,
-// then the launchers. Contract in kernels/cross_entropy/cross_entropy.h.
+// backward): thin __global__ wrappers around the bodies in
+// kernels/cross_entropy/cross_entropy_kernel.cuh, then the launchers. Contract in
+// kernels/cross_entropy/cross_entropy.h.
 //
 // Why a second kernel for the mean: the loss sums over every row. One atomicAdd per row
 // would make it one pass, but the order of the float additions would then follow block

@@ -1,14 +1,15 @@
 // The cross-entropy kernel bodies (device code only; contract and launch rules in
-// kernels/cross_entropy/cross_entropy.h). Included by kernels/cross_entropy/cross_entropy.cu, which wraps them in
+// kernels/cross_entropy/cross_entropy.h). Included by kernels/cross_entropy/cross_entropy.cu, which
+// wraps them in
 // __global__ kernels, and by the CPU test //tests/ops:cross_entropy_kernel_emulation_test,
 // which supplies host stand-ins for the CUDA built-ins (__device__, __forceinline__,
 // threadIdx, blockIdx, blockDim, __syncthreads, __shfl_xor_sync, exp2f, logf, fmaf, fmaxf,
 // INFINITY, NAN) and runs this very code with one host thread per CUDA thread, so
 // indexing, tails, ignored rows and the reduction order are checked on machines without
 // a GPU. Storage conversions come from
-// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
-// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
-// those listed: the emulation test defines exactly those.
+// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit
+// types). NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA
+// APIs beyond those listed: the emulation test defines exactly those.
 //
 // Note [Online logsumexp] (see also Note [Cross-entropy determinism] in
 // kernels/cross_entropy/cross_entropy.h)
@@ -21,8 +22,8 @@
 // butterfly leave the same bits on every lane. lse = m + log(s).
 #pragma once
 
-#include "kernels/cross_entropy/cross_entropy.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/cross_entropy/cross_entropy.h"
 
 namespace gdr::kernels::cross_entropy_detail {
 

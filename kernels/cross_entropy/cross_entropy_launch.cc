@@ -1,5 +1,5 @@
-// Host-side launch rules of the cross-entropy kernels (kernels/cross_entropy/cross_entropy.h); no CUDA
-// needed.
+// Host-side launch rules of the cross-entropy kernels (kernels/cross_entropy/cross_entropy.h); no
+// CUDA needed.
 #include <cstdint>
 
 #include "kernels/cross_entropy/cross_entropy.h"

@@ -24,7 +24,8 @@
 //     `1 - ::pow(float beta, float step)` (at::native::pow_ on float/float is ::pow, which
 //     CUDA's math_functions.hpp maps to powf) and std::sqrt (sqrtf); step is the float
 //     ATen's state_steps tensor would hold after its += 1 (exact below 2^24 steps);
-//   - the BF16 store is StorageElement<__nv_bfloat16>::from_float (kernels/common/storage_element.cuh),
+//   - the BF16 store is StorageElement<__nv_bfloat16>::from_float
+//   (kernels/common/storage_element.cuh),
 //     __float2bfloat16_rn (round to nearest even, the same cvt.rn as __float2bfloat16), which
 //     is what c10::BFloat16(float) calls on sm_80+ in _foreach_copy_'s cast.
 // What this relies on: ATen and kernels/BUILD both compile with nvcc's defaults for
@@ -41,8 +42,8 @@
 
 #include <cmath>
 
-#include "kernels/fused_adamw/fused_adamw.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/fused_adamw/fused_adamw.h"
 
 namespace gdr::kernels {
 namespace {

@@ -4,8 +4,8 @@
 // ATen's _foreach_mul_ + _fused_adamw_ + _foreach_copy_ (three multi-tensor kernel
 // families, the gradients read twice) with one launch, and gives their bits: the math is
 // ATen's adam_math (ADAMW mode, FP32 opmath) written the same way and compiled with the
-// same nvcc floating-point defaults (Note in kernels/fused_adamw/fused_adamw.cu). Purely elementwise:
-// no atomics, nothing across threads. Host contract here; the kernel in
+// same nvcc floating-point defaults (Note in kernels/fused_adamw/fused_adamw.cu). Purely
+// elementwise: no atomics, nothing across threads. Host contract here; the kernel in
 // kernels/fused_adamw/fused_adamw.cu; the op in ops/fused_adamw/fused_adamw_op.h.
 #pragma once
 

@@ -1,8 +1,8 @@
-// CUDA kernels of the fused gated activations (kernels/gated_activation/gated_activation.h): one pass
-// forward (y = act(gate) * x) and one backward (grad_gate, grad_x), rounding where the
-// unfused ATen ops round (Note [Gated activation rounding]). Memory-bound: 16-byte vectors
-// (8 BF16/FP16 or 4 FP32 elements) per thread when every operand allows, else elements;
-// the roofline is HBM bandwidth over 3 (forward) and 5 (backward) tensor passes.
+// CUDA kernels of the fused gated activations (kernels/gated_activation/gated_activation.h): one
+// pass forward (y = act(gate) * x) and one backward (grad_gate, grad_x), rounding where the unfused
+// ATen ops round (Note [Gated activation rounding]). Memory-bound: 16-byte vectors (8 BF16/FP16 or
+// 4 FP32 elements) per thread when every operand allows, else elements; the roofline is HBM
+// bandwidth over 3 (forward) and 5 (backward) tensor passes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,8 +10,8 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "kernels/gated_activation/gated_activation.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/gated_activation/gated_activation.h"
 
 namespace gdr::kernels {
 namespace {

@@ -89,7 +89,7 @@ int launch_chunk_gemm(const ChunkGemmArgs& args, CUstream_st* stream) {
   }
   // One block per (z, 64 x 64 tile of C): at T = 16384, H = 16 (4096 chunks) and
   // dk = dv = 128, 8192 blocks for the [64 x 128] products, ~20 waves of 396 resident
-  // blocks on an H200.
+  // blocks (3 per SM on 132 SMs).
   const int64_t blocks = chunk_gemm_blocks(args);
   if (blocks == 0) return static_cast<int>(cudaSuccess);
   int error = 0;

@@ -1,8 +1,8 @@
 // Batched FP32 GEMMs on tensor cores at FP32-level accuracy (3xTF32) for the carry-free
 // products of the chunk state pass (ops/gdr_core/chunk_state_op.cc: O = Qd S + P V after the
 // forward scan; P^T dO, Qd^T dO before the backward scan and dW, dQd, dP, dKend after it),
-// which cuBLAS runs as FP32 FFMA kernels (1.72 ms of a 9.6 ms forward+backward at
-// T = 16384, H = 16, dk = dv = 128 on an H200). Plain C++ (no CUDA or torch headers).
+// which cuBLAS runs as FP32 FFMA kernels, a large share of the core's forward+backward
+// (measured: docs/benchmarks.md, GDR core). Plain C++ (no CUDA or torch headers).
 //
 // For z in [0, batch):
 //   C_z = alpha * sum over p < products of op(A_pz) op(B_pz)   [+ beta * C_z]
@@ -27,19 +27,19 @@
 // (z, 64-row tile, 64-column tile) of C, 4 warps of 32 x 32, K staged in slabs of 32 with
 // cp.async double buffering, each staged element split into TF32 big / small once per
 // block. On sm_90a (Note [Chunk GEMM on wgmma]) the block is one warpgroup on wgmma, with
-// the slabs loaded into registers and split into two alternating plane buffers.
+// the same cp.async stages and the planes split into wgmma's K-major layout.
 //
 // Expected roofline (H100 SXM / H200, 132 SMs, ~1.8 GHz; estimates, not measured): mma.sync
 // m16n8k8 TF32 is 2048 FLOP, and the dense TF32 peak (495 TFLOP/s) is one such mma per SM
 // per clock, of which mma.sync reaches ~60-70% on sm_90 (wgmma the rest). 3 mmas per
 // product make the FP32-equivalent ceiling ~165 TFLOP/s, ~100-110 for mma.sync, against 67
-// for FP32 FFMA (cuBLAS reaches ~32 on these small products). A 64 x 64 output tile reads
+// for FP32 FFMA (cuBLAS reaches far less on these small products). A 64 x 64 output tile reads
 // 4 * 64 * K bytes of A and of B and writes 16 KiB of C for 2 * 64 * 64 * K FLOP: 11-14
 // FLOP/byte for K = 64 .. 256 (K summed over the products), under the H200's ridge of
 // ~34 (165 TFLOP/s over 4.8 TB/s), so the products are HBM-bound: per (b, h, chunk) at
 // dk = dv = 128 the forward GEMM moves 176 KiB (Qd, S, P, V in, O out) and the backward's
 // six 672 KiB, i.e. 3.4 GiB at T = 16384, H = 16, ~0.76 ms at 4.8 TB/s (a column tile's
-// re-read of its A tile is an L2 hit), against the 1.72 ms of today's cuBLAS FP32 GEMMs.
+// re-read of its A tile is an L2 hit); cuBLAS's FP32 GEMMs: docs/benchmarks.md, GDR core.
 // The next ceiling is shared-memory bandwidth (128 B per clock per SM): per 32-deep slab a
 // block moves 128 KiB through it (16 KiB cp.async in, 16 KiB gathered by the split, 32 KiB
 // of planes stored, 64 KiB of fragments loaded) for 384 mmas, i.e. ~0.375 mma per clock

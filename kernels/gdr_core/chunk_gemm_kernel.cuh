@@ -1,10 +1,10 @@
 // The batched 3xTF32 tensor-core GEMM of the chunk state pass: the block body (device code
-// only; the contract is in kernels/gdr_core/chunk_gemm.h). Included by kernels/gdr_core/chunk_gemm.cu,
-// which wraps the body in a __global__ kernel with dynamic shared memory, and by the CPU
-// test //tests/ops:gdr_chunk_gemm_kernel_emulation_test, which runs this very code with
-// one host thread per CUDA thread.
-// NOTE: keep this file free of other includes (besides kernels/common/mma_tf32.cuh,
-// kernels/common/wgmma_tf32.cuh and kernels/common/cp_async.cuh) and of CUDA APIs beyond __device__,
+// only; the contract is in kernels/gdr_core/chunk_gemm.h). Included by
+// kernels/gdr_core/chunk_gemm.cu, which wraps the body in a __global__ kernel with dynamic shared
+// memory, and by the CPU test //tests/ops:gdr_chunk_gemm_kernel_emulation_test, which runs this
+// very code with one host thread per CUDA thread. NOTE: keep this file free of other includes
+// (besides kernels/common/mma_tf32.cuh, kernels/common/wgmma_tf32.cuh and
+// kernels/common/cp_async.cuh) and of CUDA APIs beyond __device__,
 // __forceinline__, __syncthreads, threadIdx, blockIdx and fmaf, and of the helpers below and
 // in those headers (tf32_round, tf32_as_float, mma_m16n8k8_tf32, the wgmma primitives,
 // cp_async_16, cp_async_4, cp_async_wait_all): the emulation test defines the built-ins,
@@ -66,8 +66,8 @@
 // [3xTF32 products]) that read the big / small planes straight from shared memory, the
 // slab's twelve committed as one batch and waited for before the next barrier (after which
 // the planes are rewritten). mma.sync made each warp load its fragments from the planes
-// itself (64 KiB of shared-memory loads per slab; L1/TEX at 64% on the H200, runs 72-73);
-// here 24 mma.sync per warp and k-step become 3 instructions per warpgroup. Steps 1 (the
+// itself (64 KiB of shared-memory loads per slab, on the L1/TEX pipe that the profiles show
+// busiest); here 24 mma.sync per warp and k-step become 3 instructions per warpgroup. Steps 1 (the
 // cp.async raw stages) and the barriers are the mma.sync path's; the split of step 2 writes
 // the planes in wgmma's K-major layout (Note [wgmma K-major operand layout] in
 // kernels/common/wgmma_tf32.cuh: A's rows and B^T's rows, i.e. B's columns, in core matrices of
@@ -76,21 +76,20 @@
 // async proxy. A short slab's missing k-steps are split as zeros, so every slab issues all
 // twelve wgmmas with no branch between them (the compiler fences wgmma at branches).
 // Every output element is still three chains of tensor-core steps over k in increasing
-// order, added once at the end, with no cross-warp reduction: deterministic. On the H200
-// the two paths give the same bits (every element of every state-pass product,
+// order, added once at the end, with no cross-warp reduction: deterministic. On sm_90a the
+// two paths give the same bits (every element of every state-pass product,
 // //tests/ops:gdr_chunk_gemm_gpu_test): one m64n64k8 step accumulates its eight products
 // as eight m16n8k8 steps do, and the padding adds exact zeros (an accumulator that starts
 // at +0 never holds -0 under round-to-nearest), so the GEMM's bits, and the training
-// run's, are those of the mma.sync path of earlier sessions. Other targets (sm_80, sm_86,
+// run's, are those of the mma.sync path. Other targets (sm_80, sm_86,
 // and the compute_90 PTX that newer GPUs JIT) run the mma.sync path. The CPU emulation
 // test runs both paths against each other and an FP64 loop, its wgmma stand-in completing
 // each batch at the latest moment allowed and failing when an operand changed in flight.
-// Measured (H200, runs 86-87, docs/benchmarks.md): the state pass's GEMMs 2.50 ms against
-// 2.72 per forward+backward at T = 16384, H = 16, dk = dv = 128. A variant that loaded the
-// slabs straight into registers (no raw stage) and split them into two alternating plane
-// buffers, so that a slab's wgmmas overlapped the next slab's split, was slower (2.99 ms):
-// its 16-byte loads each touch 32 rows, where cp.async moves whole 128-byte lines. So was
-// this path with two plane buffers and the same overlap (run 88: 2.89 ms): 100 KiB of
+// This path is the faster of the two for the state pass's GEMMs (measured: docs/benchmarks.md,
+// Decisions). A variant that loads the slabs straight into registers (no raw stage) and
+// splits them into two alternating plane buffers, so that a slab's wgmmas overlap the next
+// slab's split, is slower: its 16-byte loads each touch 32 rows, where cp.async moves whole
+// 128-byte lines. So is this path with two plane buffers and the same overlap: 100 KiB of
 // shared memory leaves two blocks per SM instead of three, which costs more than the
 // overlap gains.
 #pragma once

@@ -5,11 +5,11 @@
 // Plain C++ (no CUDA or torch headers); the launchers run on the stream they are given,
 // allocate nothing (capturable) and return a cudaError_t as int.
 //
-// Why a kernel: ATen's strided copy with the cast ran these at ~1.6 TB/s on the H200
-// (16 us per call for 25 MB at B = 1, T = 2048, H = 16, dv = 128; 144 calls and ~2 ms per
-// 0.8B training step). Each thread here moves 8 consecutive dv elements with 16/32-byte
-// loads and stores. Values are copied or rounded to nearest even exactly as ATen's copy_
-// rounds, so the bits are the same.
+// Why a kernel: ATen's strided copy with the cast runs these well below the HBM
+// bandwidth, and the 0.8B training step makes many such calls (measured:
+// docs/benchmarks.md, Other kernels in the 0.8B step). Each thread here moves 8
+// consecutive dv elements with 16/32-byte loads and stores. Values are copied or rounded to nearest
+// even exactly as ATen's copy_ rounds, so the bits are the same.
 #pragma once
 
 #include <cstdint>

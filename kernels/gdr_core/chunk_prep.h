@@ -152,8 +152,9 @@ struct ChunkPrepShape {
   bool l2_normalize_qk = false;  // q, k rows normalised on load (Note [Fused q/k L2 norm])
   ChunkPrepInput qk_input = ChunkPrepInput::kFloat;
   ChunkPrepInput v_input = ChunkPrepInput::kFloat;
-  // false: always the FP32 SIMT products. The op layer sets it from GDR_CHUNK_PREP_TC
-  // (unset: true, the measured-faster variant; ops/gdr_core/gdr_core_op_cuda.cc).
+  // false: always the FP32 SIMT products. The op layer sets it from the execution policy's
+  // chunk_prep_tensor_cores (default true, the faster variant; measured: docs/benchmarks.md,
+  // Decisions; ops/gdr_core/gdr_core_op_cuda.cc).
   bool allow_tensor_cores = true;
 };
 

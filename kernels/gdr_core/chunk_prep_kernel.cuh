@@ -3,13 +3,13 @@
 // __global__ kernel with dynamic shared memory, and by the CPU test
 // //tests/ops:gdr_chunk_prep_kernel_emulation_test, which supplies host stand-ins for the
 // CUDA built-ins and runs these very bodies with one host thread per CUDA thread.
-// NOTE: keep this file free of includes (besides kernels/common/mma_tf32.cuh, kernels/common/cp_async.cuh
-// and <type_traits>) and of CUDA APIs beyond __device__, __forceinline__, __syncthreads,
-// threadIdx, blockIdx, __uint_as_float, __float_as_uint, expf, fmaf and rsqrtf, the
-// tensor-core primitives of kernels/common/mma_tf32.cuh and cp_async_4 / cp_async_16 /
-// cp_async_wait_all (device-only loads sit under #ifdef __CUDA_ARCH__): the
-// emulation test defines exactly those (with GDR_MMA_TF32_HOST_HELPERS,
-// GDR_CP_ASYNC_HOST_HELPERS, tests/ops/emulated_mma_tf32.h and emulated_cp_async.h).
+// NOTE: keep this file free of includes (besides kernels/common/mma_tf32.cuh,
+// kernels/common/cp_async.cuh and <type_traits>) and of CUDA APIs beyond __device__,
+// __forceinline__, __syncthreads, threadIdx, blockIdx, __uint_as_float, __float_as_uint, expf, fmaf
+// and rsqrtf, the tensor-core primitives of kernels/common/mma_tf32.cuh and cp_async_4 /
+// cp_async_16 / cp_async_wait_all (device-only loads sit under #ifdef __CUDA_ARCH__): the emulation
+// test defines exactly those (with GDR_MMA_TF32_HOST_HELPERS, GDR_CP_ASYNC_HOST_HELPERS,
+// tests/ops/emulated_mma_tf32.h and emulated_cp_async.h).
 //
 // Note [Chunk prep determinism]
 // One block owns one (batch, value head, chunk) and writes only that chunk's rows of every
@@ -55,19 +55,20 @@
 //
 // Note [Chunk prep on tensor cores]
 // With TC (the backward's template parameter; its launcher picks it with
-// chunk_prep_uses_tensor_cores, on unless GDR_CHUNK_PREP_TC=0 in the op layer) the
-// backward's two largest product phases run as warp-level mma.sync m16n8k8 TF32 with the
-// 3xTF32 split (Note [3xTF32 products] in kernels/common/mma_tf32.cuh: FP32-level accuracy):
-// dM = -dR X^T (phase 3: C x C contracting over dv + dk, X = [U | W] streamed through the
-// slab buffer) and phase 6 below; both phases measured faster so (the per-phase clocks are
-// in docs/benchmarks.md). The Gram tiles K K^T and Q K^T (phase 1 here and in the forward)
-// stay FP32 SIMT in both variants: on tensor cores they measured no faster in the backward
-// and slower in the forward, and one SIMT version keeps the backward's recomputed M the
-// forward's bits. Only the lower triangle of dM is used: of the 4 x 8 grid of 16 x 8
-// tiles, the 20 with column block cb < 2 rb + 2 touch it; warp w of 16 owns lower tiles
-// w and w + 16 (< 20: warps 0-3 two tiles, the others one) and keeps their accumulators
-// across the slabs, c increasing. The tiles wholly above the diagonal are not computed;
-// the consumers get 0 there, as in the SIMT product.
+// chunk_prep_uses_tensor_cores, on unless the execution policy's chunk_prep_tensor_cores
+// is false) the backward's two largest product phases run as warp-level mma.sync m16n8k8
+// TF32 with the 3xTF32 split (Note [3xTF32 products] in kernels/common/mma_tf32.cuh:
+// FP32-level accuracy): dM = -dR X^T (phase 3: C x C contracting over dv + dk, X = [U | W]
+// streamed through the slab buffer) and phase 6 below; both phases are faster so
+// (measured: docs/benchmarks.md, GDR core kernels: cycles per chunk). The Gram tiles K K^T
+// and Q K^T (phase 1 here and in the forward) stay FP32 SIMT in both variants: on tensor
+// cores they are no faster in the backward and slower in the forward (docs/benchmarks.md,
+// Decisions), and one SIMT version keeps the backward's recomputed M the forward's bits.
+// Only the lower triangle of dM is used: of the 4 x 8 grid of 16 x 8 tiles, the 20 with
+// column block cb < 2 rb + 2 touch it; warp w of 16 owns lower tiles w and w + 16 (< 20:
+// warps 0-3 two tiles, the others one) and keeps their accumulators across the slabs,
+// c increasing. The tiles wholly above the diagonal are not computed; the consumers get 0
+// there, as in the SIMT product.
 // Phase 6 (dK = (dKK + dKK^T) K + dQK^T Q, dQ = dQK K: three C x C by C x dk products,
 // ~3 MFLOP per block at dk = 128, the largest) runs in dkdq_tc:
 // warp w = 4 cg + rb owns rows 16 rb .. + 15 and, in each of dk / 64 column passes p,
@@ -95,8 +96,8 @@
 #include <type_traits>
 
 #include "kernels/common/cp_async.cuh"
-#include "kernels/gdr_core/chunk_prep.h"
 #include "kernels/common/mma_tf32.cuh"
+#include "kernels/gdr_core/chunk_prep.h"
 
 namespace gdr::kernels::chunk_prep_detail {
 
@@ -620,11 +621,11 @@ __device__ __forceinline__ void dkdq_tc(const float* d1, const float* d2, const 
 }
 
 // Note [Register-resident substitution]
-// The triangular solves run one thread per column of the right-hand side, as before, but
-// the column lives in registers (x[C], every index a compile-time constant once the loops
-// are unrolled) and the row of M a step needs comes in 16-byte broadcast loads of a
-// pitch-C copy. A step is then one FMA and a quarter of a load instead of two or three
-// loads, and the sums of a row are still one thread's fixed-order FP32 chain.
+// The triangular solves run one thread per column of the right-hand side, with the column
+// in registers (x[C], every index a compile-time constant once the loops are unrolled),
+// and the row of M a step needs comes in 16-byte broadcast loads of a pitch-C copy. A step is
+// then one FMA and a quarter of a load instead of two or three loads, and the sums of a row
+// are still one thread's fixed-order FP32 chain.
 // Forward: row i of X is x_i - sum_{j<i} M_ij X_j, j ascending (the order of the
 // original loop, so the same bits); m[i * C + j] = M_ij.
 __device__ __forceinline__ void forward_substitute(const float* m, float (&x)[kC]) {

@@ -63,8 +63,8 @@ int launch_chunk_state_scan(const ChunkStateScanArgs& args, CUstream_st* stream)
     return static_cast<int>(cudaErrorInvalidValue);
   }
   // One block per (batch*head, dv tile) for both kernels: B=1, H=16, dv=128 gives 128
-  // blocks, about one per SM of an H200; the chunk walk inside a block is the sequential
-  // part.
+  // blocks, about one per SM of a 132-SM GPU; the chunk walk inside a block is the
+  // sequential part.
   const int64_t blocks = args.batch_heads * (args.dv / kChunkStateTileDv);
   if (blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
   const dim3 grid(static_cast<unsigned int>(blocks));

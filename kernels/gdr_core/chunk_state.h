@@ -32,9 +32,10 @@
 // unless args.allow_tensor_cores is false, and the FP32 SIMT kernel otherwise (also if
 // the device refuses the tensor-core kernel's dynamic shared memory). The choice is
 // chunk_state_scan_uses_tensor_cores(dk, dv, allow), a pure function of the shapes and the
-// flag. The CUDA op layer (ops/gdr_core/gdr_core_op_cuda.cc) sets the flag from the environment on
-// every call: GDR_CHUNK_SCAN_TC=0 selects the SIMT kernel, anything else (or unset) the
-// tensor-core kernel. The two kernels round differently (both FP32-level), so their bits
+// flag. The CUDA op layer (ops/gdr_core/gdr_core_op_cuda.cc) sets the flag from the execution
+// policy's chunk_scan_tensor_cores (ops/policy/execution_policy.h; environment override
+// GDR_CHUNK_SCAN_TC): false selects the SIMT kernel, true (the default) the tensor-core
+// kernel. The two kernels round differently (both FP32-level), so their bits
 // differ from each other; each gives the same bits on every run.
 #pragma once
 
@@ -85,7 +86,8 @@ struct ChunkStateScanArgs {
   // Summing a (bh, n)'s dv / 16 * 256 partials gives decay_n * <dot_with_n, X>.
   const float* dot_with = nullptr;  // [BH, N, dk, dv]
   float* dot_out = nullptr;         // [BH, N, dv / 16, 256]
-  // false: always the FP32 SIMT kernel (GDR_CHUNK_SCAN_TC=0 in the op layer).
+  // false: always the FP32 SIMT kernel (the op layer passes the policy's
+  // chunk_scan_tensor_cores).
   bool allow_tensor_cores = true;
 };
 

@@ -28,8 +28,8 @@
 // lo_b = sum a_big b_small, each in increasing k, added once as big + (lo_a + lo_b)) whose
 // internal summation order the hardware fixes for given inputs. Its dGlast partials use
 // this kernel's slots and element sets. The two kernels round differently, so their bits
-// differ from each other (GDR_CHUNK_SCAN_TC selects one; kernels/gdr_core/chunk_state.h), but
-// each is bit-reproducible.
+// differ from each other (the execution policy's chunk_scan_tensor_cores selects one;
+// kernels/gdr_core/chunk_state.h), but each is bit-reproducible.
 #pragma once
 
 #include "kernels/gdr_core/chunk_state.h"

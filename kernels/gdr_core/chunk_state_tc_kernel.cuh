@@ -60,8 +60,8 @@
 // hides behind the chunk before. Outputs: carries_out, rows_out,
 // carry_final and the dGlast partials are written from x_s / r_s with the SIMT kernel's
 // element-to-thread maps (element e = tid + 256 u of the [rows x 16] tile, row e / 16, column e %
-// 16), so dot_out keeps its exact slot layout (kernels/gdr_core/chunk_state.h): thread tid's partial is
-// decay * sum over u in order of dot_with * X at row tid / 16 + 16 u, column tid % 16.
+// 16), so dot_out keeps its exact slot layout (kernels/gdr_core/chunk_state.h): thread tid's
+// partial is decay * sum over u in order of dot_with * X at row tid / 16 + 16 u, column tid % 16.
 #pragma once
 
 #include "kernels/gdr_core/chunk_state.h"

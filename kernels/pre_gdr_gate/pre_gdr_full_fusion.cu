@@ -10,11 +10,12 @@
 // same tokens). The L2 norm of a head is a butterfly shuffle over the head's lanes, which
 // leaves the identical sum in every lane.
 //
-// Bytes and roofline (0.8B training shape: B*T = 8192, C = 6144, Hv = 16, dk = dv = 128,
-// BF16): forward reads qkv once (8192 * 6144 * 2 B = 101 MB) and writes q, k, v in FP32
-// (3 * 8192 * 2048 * 4 B = 201 MB): 302 MB, ~63 us at the H200's 4.8 TB/s. Backward reads
-// qkv (101 MB) and grad_q/k/v (201 MB), writes grad_qkv (101 MB) and a 98 KB conv-weight
-// accumulator: ~403 MB, ~84 us; the strip halo (3 of 16 tokens) is recomputed, not saved.
+// Bytes and roofline estimate (0.8B training shape: B*T = 8192, C = 6144, Hv = 16,
+// dk = dv = 128, BF16): forward reads qkv once (8192 * 6144 * 2 B = 101 MB) and writes q,
+// k, v in FP32 (3 * 8192 * 2048 * 4 B = 201 MB): 302 MB, ~63 us at an HBM peak of 4.8 TB/s.
+// Backward reads qkv (101 MB) and grad_q/k/v (201 MB), writes grad_qkv (101 MB) and a 98 KB
+// conv-weight accumulator: ~403 MB, ~84 us; the strip halo (3 of 16 tokens) is recomputed,
+// not saved. Measured against this floor: docs/benchmarks.md, Full pre-GDR fusion.
 // The unfused ATen path (conv, SiLU, slices, FP32 casts, pow/sum/rsqrt/mul, repeat, and
 // their autograd) moves several times these bytes in ~15 kernels forward and ~25 backward.
 //
@@ -29,9 +30,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/storage_element.cuh"
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion.h"
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion_math.h"
-#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {

@@ -18,10 +18,10 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "kernels/common/storage_element.cuh"
 #include "kernels/pre_gdr_gate/pre_gdr_gate.h"
 #include "kernels/pre_gdr_gate/pre_gdr_gate_element.cuh"
 #include "kernels/pre_gdr_gate/pre_gdr_gate_math.h"
-#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {
@@ -119,9 +119,9 @@ constexpr int64_t kForwardSmallLimit = int64_t{1} << 21;
 // count fits, so the per-element work is the activation math alone.
 constexpr int kForwardTableHeads = 1024;
 
-// No min-blocks hint: capping registers at 32 for full occupancy made this kernel 35%
-// slower on the H200 (ncu at 65536 x 64 BF16: SM 68%, DRAM 23%; it is issue-bound on
-// the accurate expf/log1pf, not latency-bound).
+// No min-blocks hint: capping registers at 32 for full occupancy made this kernel slower
+// (it is issue-bound on the accurate expf/log1pf, not latency-bound; measured:
+// docs/benchmarks.md, Decisions).
 template <typename In, typename Param, typename Index, bool kFlat, int kForwardItemsPerThread>
 __global__ void __launch_bounds__(kForwardThreads)
     gate_forward_kernel(GateForwardArgs args, Index total, DividerFor<Index> heads,
@@ -425,8 +425,8 @@ __device__ __forceinline__ void gate_backward_rows_vec(const GateBackwardArgs& a
 // Counters: a fixed device array, zero at module load, so no allocation or memset is
 // needed (not even under graph capture): kGateTicketColumns counters per slot. The host
 // hands each eager stream one slot and each captured launch a slot of its own
-// (ops/pre_gdr_gate/pre_gdr_gate_op_cuda.cc), so two launches that may run concurrently never share a
-// counter.
+// (ops/pre_gdr_gate/pre_gdr_gate_op_cuda.cc), so two launches that may run concurrently never share
+// a counter.
 __device__ unsigned int g_gate_ticket_slots[kGateTicketSlots * kGateTicketColumns];
 
 // The last step of both ordered variants, for one output slot: its kReduceRows row sums
@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(1024)
     // wide (cumulativity), and the acquire of the last program orders its reads after
     // every other program's release. A __threadfence() in every thread instead (a
     // sequentially consistent fence plus an L1 invalidation each) made this variant
-    // 1.4-1.8x slower than the two-pass one on the H200.
+    // much slower than the two-pass one (measured: docs/benchmarks_log.md).
     __syncthreads();
     if (threadIdx.x == 0) {
       cuda::atomic_ref<unsigned int, cuda::thread_scope_device> ticket(

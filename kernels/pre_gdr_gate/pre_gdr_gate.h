@@ -142,7 +142,7 @@ constexpr int kSinglePassTailUnroll = 8;
 // at those shapes pay host time per launch, and the second launch costs the host more than
 // the single pass's tail costs the GPU; in a graph the launches are free and the two
 // pass's short reduce kernel (launched early, Note [Gate reduce launched early]) beats the
-// tail's ticket and reloads (H200, docs/benchmarks.md).
+// tail's ticket and reloads (measured: docs/benchmarks.md, Decisions).
 bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& launch,
                                 const GateShape& shape, bool capturing);
 

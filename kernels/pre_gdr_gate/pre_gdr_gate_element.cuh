@@ -1,8 +1,8 @@
 // Per-element math of the pre-GDR gate kernels (device code, no torch): the softplus and
 // sigmoid in select form, the backward of one element, and the backward of four adjacent
 // heads with the fast paths of the correctly rounded reciprocal and division taken
-// together (Note [Gate backward fast paths]). Shared by kernels/pre_gdr_gate/pre_gdr_gate.cu and the
-// exhaustive check in kernels/pre_gdr_gate/pre_gdr_gate_element_check.cu, which proves the two
+// together (Note [Gate backward fast paths]). Shared by kernels/pre_gdr_gate/pre_gdr_gate.cu and
+// the exhaustive check in kernels/pre_gdr_gate/pre_gdr_gate_element_check.cu, which proves the two
 // backward forms give the same bits for every input.
 #pragma once
 
@@ -52,14 +52,15 @@ __device__ __forceinline__ void gate_backward_element(float a, float b, float dg
 }
 
 // Note [Gate backward fast paths]: the BF16 backward is bound by instruction issue, not by
-// memory (ncu: DRAM ~40%, SM ~70%), and per element it computes a correctly rounded
-// reciprocal (the sigmoid of b) and a correctly rounded division (z / (z + 1), softplus'
-// derivative). nvcc expands each into a short fast path (an approximate reciprocal and
-// two or four FMAs) guarded by a range test, with a branch to a slow path around it:
-// the test, the branch and the convergence-barrier bookkeeping cost about as much as the
-// fast path itself, per element. gate_backward_elements4 computes the fast paths of four
-// elements, tests all their ranges at once, and only if one fails recomputes all four
-// with the IEEE operations. Within the tested ranges the fast paths give the IEEE bits:
+// memory (profiled: docs/benchmarks.md, Pre-GDR gate), and per element it computes a
+// correctly rounded reciprocal (the sigmoid of b) and a correctly rounded division
+// (z / (z + 1), softplus' derivative). nvcc expands each into a short fast path (an
+// approximate reciprocal and two or four FMAs) guarded by a range test, with a branch to a
+// slow path around it: the test, the branch and the convergence-barrier bookkeeping cost
+// about as much as the fast path itself, per element. gate_backward_elements4 computes the
+// fast paths of four elements, tests all their ranges at once, and only if one fails
+// recomputes all four with the IEEE operations. Within the tested ranges the fast paths
+// give the IEEE bits:
 // - reciprocal: the same instructions nvcc emits for __frcp_rn on sm_90 (MUFU.RCP, one
 //   Newton step as FFMA, negation, FFMA), under the same test it emits (biased exponent
 //   in [1, 252]);

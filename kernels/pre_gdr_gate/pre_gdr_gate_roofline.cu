@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "kernels/pre_gdr_gate/pre_gdr_gate_element.cuh"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/pre_gdr_gate/pre_gdr_gate_element.cuh"
 
 namespace gdr::kernels {
 namespace {

@@ -11,7 +11,7 @@
 //   math's issue and latency floor, without memory traffic.
 // - kTrafficAndMath: both in one loop, one token in flight per thread (the backward's
 //   element pass without its per-program row sums).
-// Measured on the H200 in docs/benchmarks.md (`pre_gdr_gate_bench --roofline`).
+// Run by bench/pre_gdr_gate_bench --roofline; see docs/benchmarks.md when measured.
 #pragma once
 
 #include <cstdint>

@@ -82,12 +82,13 @@ bool gate_single_pass_preferred(const GateTile& tile, const GateBackwardLaunch& 
          shape.tokens() * shape.heads <= kHostBoundElements;
 }
 
-// The rule, fitted to the H200 per-tile sweep (bench/pre_gdr_gate_bench --tiles; table
-// in docs/benchmarks.md) and written as a cost so ties resolve the same way everywhere:
+// The rule, fitted to the per-tile sweep (bench/pre_gdr_gate_bench --tiles; results in
+// docs/benchmarks.md, Decisions) and written as a cost so ties resolve the same way
+// everywhere:
 //   (1) 256 threads, and 16 head lanes per program (one 32-byte BF16 sector per token
 //       row), or, when Hv >= 64, 32 for 16-bit activations and 64 for FP32 (fewer, wider
-//       rows won there: at 65536 x 64 FP32 the sweep measured 128x64x256 at 30.2 us ordered
-//       against 31.3 for 256x32x256, docs/benchmarks.md);
+//       rows won there: at 65536 x 64 FP32 the sweep found 128x64x256 faster than
+//       256x32x256);
 //   (2) about 640 programs for 16-bit activations, 448 for FP32 (twice the bytes per
 //       program): enough to fill a 132-SM part a few times over without a long tail of
 //       partial rows for the ordered pass (constants, not a device query, so the choice

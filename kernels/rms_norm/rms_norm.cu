@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(kRmsNormBackwardMaxWarps * 32, 4)
 // Flat over the VEC-element packs, kAddItems per thread with every load issued before the
 // math. kContiguous: the stream gradient is contiguous [rows, cols] too and the packs fit
 // 32-bit indices, so a pack's offset is its index (a per-pack row decoding with 64-bit
-// divisions made this kernel instruction-bound: 7.8 us per call at the 0.8B shape against
-// 3.7 for ATen's add; one block per row before that, 9.3 us).
+// divisions made this kernel instruction-bound, slower than ATen's add; measured:
+// docs/benchmarks_log.md).
 constexpr int kAddThreads = 256;
 constexpr int kAddItems = 4;
 
@@ -300,8 +300,8 @@ int launch_backward(const RmsNormBackwardArgs& args, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   // Note [RMSNorm with the residual add]: the 16-bit rows of 2 and 4 packs per lane (the
   // model's hidden 1024 in BF16 is 4) spill with the stream gradient as a third operand
-  // (ptxas), and the fused kernel measured slower than the plain backward plus a separate
-  // add (H200, 0.8B step: 6.56 against 5.35 + 0.7 ms). There the plain kernel runs and the
+  // (ptxas), and the fused kernel is slower than the plain backward plus a separate add
+  // (measured: docs/benchmarks.md, Decisions). There the plain kernel runs and the
   // stream gradient is added after it, with the same roundings, so the same bits.
   const bool add_after = args.grad_sum.data != nullptr && sizeof(T) == 2 && vectorised &&
                          !args.streaming_only && resident_chunks(args.shape.cols, kVec, 4) >= 2;

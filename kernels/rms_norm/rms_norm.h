@@ -64,7 +64,8 @@ struct RmsNormForwardArgs {
   void* sum = nullptr;
   // The streaming one-row-at-a-time kernel, whose bits the faster register-resident
   // variants reproduce (Note [RMSNorm register-resident rows]); for tests and benchmarks
-  // (GDR_RMS_NORM_KERNEL=streaming in ops/rms_norm/rms_norm_op_cuda.cc).
+  // (the execution policy's rms_norm_kernel = streaming in ops/rms_norm/rms_norm_op_cuda.cc;
+  // environment override GDR_RMS_NORM_KERNEL).
   bool streaming_only = false;
 };
 

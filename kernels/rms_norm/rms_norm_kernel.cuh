@@ -1,13 +1,13 @@
 // The RMSNorm kernel bodies (device code only; contract and launch rules in
-// kernels/rms_norm/rms_norm.h). Included by kernels/rms_norm/rms_norm.cu, which wraps them in __global__
-// kernels, and by the CPU test //tests/ops:rms_norm_kernel_emulation_test, which supplies
-// host stand-ins for the CUDA built-ins (__device__, __forceinline__, threadIdx, blockIdx,
+// kernels/rms_norm/rms_norm.h). Included by kernels/rms_norm/rms_norm.cu, which wraps them in
+// __global__ kernels, and by the CPU test //tests/ops:rms_norm_kernel_emulation_test, which
+// supplies host stand-ins for the CUDA built-ins (__device__, __forceinline__, threadIdx, blockIdx,
 // blockDim, __syncthreads, __shfl_xor_sync, rsqrtf, expf) and runs this very code with one
 // host thread per CUDA thread, so indexing, barriers and the reduction order are checked
 // on machines without a GPU. Storage conversions come from
-// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit types).
-// NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA APIs beyond
-// those listed: the emulation test defines exactly those.
+// kernels/common/storage_element.cuh (a host includer specialises StorageElement for its 16-bit
+// types). NOTE: keep this file free of other includes (beyond the headers it names) and of CUDA
+// APIs beyond those listed: the emulation test defines exactly those.
 //
 // Note [RMSNorm determinism] (see also kernels/rms_norm/rms_norm.h)
 // A row is owned by one warp: its sum of squares (forward) and its sum of dn * n
@@ -22,8 +22,8 @@
 // the shape: the same inputs give the same bits on every run, stream and load.
 #pragma once
 
-#include "kernels/rms_norm/rms_norm.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/rms_norm/rms_norm.h"
 
 namespace gdr::kernels::rms_norm_detail {
 

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/rope/rope.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/rope/rope.h"
 
 namespace gdr::kernels {
 namespace {

@@ -1,7 +1,8 @@
-// CUDA kernel of the tied embedding's weight-gradient rows (kernels/tied_embedding/embedding_rows.h):
-// dW[id] = round(float(dW[id]) + sum of the id's token rows in token order), in place. The
-// block's body and the launch rule live in kernels/tied_embedding/embedding_rows_kernel.cuh (also run on
-// the CPU by //tests/ops:embedding_rows_kernel_emulation_test); this file holds the
+// CUDA kernel of the tied embedding's weight-gradient rows
+// (kernels/tied_embedding/embedding_rows.h): dW[id] = round(float(dW[id]) + sum of the id's token
+// rows in token order), in place. The block's body and the launch rule live in
+// kernels/tied_embedding/embedding_rows_kernel.cuh (also run on the CPU by
+// //tests/ops:embedding_rows_kernel_emulation_test); this file holds the
 // __global__ wrapper with its shared memory and the launcher.
 //
 // Note [Embedding rows without atomics]: ATen's embedding backward sorts the ids, sums
@@ -18,17 +19,17 @@
 //      column vector in that order;
 //   3. one read-modify-write of dW[id]'s columns: one rounding.
 // So the bits are a pure function of (ids, rows, dW), the same as the CPU reference in
-// ops/tied_embedding/tied_embedding_op.cc. The scans cost O(N^2) id compares in all: for N = 2048, 4 M
-// compares and up to 32 MB of L2-resident id reads next to ~12 MB of row traffic (d_hidden
-// and the touched dW rows); 16x that for N = 8192. Not yet timed on a GPU: a sort-free
-// kernel was the brief; if the scans show up, stage the ids as int32 in shared memory.
+// ops/tied_embedding/tied_embedding_op.cc. The scans cost O(N^2) id compares in all: for N = 2048,
+// 4 M compares and up to 32 MB of L2-resident id reads next to ~12 MB of row traffic (d_hidden and
+// the touched dW rows); 16x that for N = 8192. The op's timings: docs/benchmarks.md, Tied
+// embedding gradient; if the scans show up there, stage the ids as int32 in shared memory.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/common/storage_element.cuh"
 #include "kernels/tied_embedding/embedding_rows.h"
 #include "kernels/tied_embedding/embedding_rows_kernel.cuh"
-#include "kernels/common/storage_element.cuh"
 
 namespace gdr::kernels {
 namespace {

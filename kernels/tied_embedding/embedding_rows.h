@@ -1,5 +1,5 @@
-// The tied embedding's weight-gradient rows (ops/tied_embedding/tied_embedding_op.h, Note [Tied embedding
-// gradient]): adds to dW[V, H] the d_hidden rows of each token id, in place.
+// The tied embedding's weight-gradient rows (ops/tied_embedding/tied_embedding_op.h, Note [Tied
+// embedding gradient]): adds to dW[V, H] the d_hidden rows of each token id, in place.
 //
 // Contract: ids [N] int64; rows [N, H] and dw [V, H] contiguous, one dtype (FP32, FP16,
 // BF16). For every distinct id in [0, V) the rows of its tokens are summed in FP32 in
@@ -12,7 +12,8 @@
 // Deterministic by construction, no atomics and no sort: one block per (token, column
 // tile); a block whose token has an earlier token with the same id exits, the first
 // occurrence's block walks the later tokens with that id in token order and is the only
-// writer of its row (Note [Embedding rows without atomics] in kernels/tied_embedding/embedding_rows.cu).
+// writer of its row (Note [Embedding rows without atomics] in
+// kernels/tied_embedding/embedding_rows.cu).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
-// The body of the tied embedding's rows kernel (kernels/tied_embedding/embedding_rows.h, Note [Embedding
-// rows without atomics] in kernels/tied_embedding/embedding_rows.cu), shared by the CUDA kernel and its CPU
-// emulation test (tests/ops/embedding_rows_kernel_emulation_test.cc).
-// NOTE: plain C++ apart from the CUDA built-ins __syncthreads, __syncthreads_or,
+// The body of the tied embedding's rows kernel (kernels/tied_embedding/embedding_rows.h, Note
+// [Embedding rows without atomics] in kernels/tied_embedding/embedding_rows.cu), shared by the CUDA
+// kernel and its CPU emulation test (tests/ops/embedding_rows_kernel_emulation_test.cc). NOTE:
+// plain C++ apart from the CUDA built-ins __syncthreads, __syncthreads_or,
 // __ballot_sync, __popc, threadIdx / blockIdx / blockDim and the __device__ /
 // __forceinline__ qualifiers; the emulation test defines host stand-ins for exactly these,
 // so keep the two in sync when the body starts using another.
@@ -9,8 +9,8 @@
 
 #include <cstdint>
 
-#include "kernels/tied_embedding/embedding_rows.h"
 #include "kernels/common/storage_element.cuh"
+#include "kernels/tied_embedding/embedding_rows.h"
 
 namespace gdr::kernels::embedding_rows_detail {
 

@@ -4,7 +4,8 @@
 // evaluation of the same tree, with one read of each input and one write of the output
 // instead of one read-modify-write pass per add. Used by PairwiseSum for the microbatch
 // gradients (Note [Deferred gradient leaves] in gdr/distributed.cc). Host contract here;
-// kernels in kernels/tree_sum/tree_sum.cu; the program builder in kernels/tree_sum/tree_sum_program.cc.
+// kernels in kernels/tree_sum/tree_sum.cu; the program builder in
+// kernels/tree_sum/tree_sum_program.cc.
 #pragma once
 
 #include <cstdint>

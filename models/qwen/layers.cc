@@ -114,8 +114,8 @@ std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<in
   return SplitLastDim::apply(x, sizes);
 }
 
-// Both norms take the fused op (ops/rms_norm/rms_norm_op.h) for CUDA FP32/FP16/BF16 inputs unless the
-// execution policy says rms_norm composite; the CPU and FP64 keep the composition, so their
+// Both norms take the fused op (ops/rms_norm/rms_norm_op.h) for CUDA FP32/FP16/BF16 inputs unless
+// the execution policy says rms_norm composite; the CPU and FP64 keep the composition, so their
 // numerics do not change.
 namespace {
 bool norm_takes_fused_op(const at::Tensor& x, const at::Tensor& weight) {
@@ -132,8 +132,9 @@ at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight,
 std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
                                                              const at::Tensor& residual,
                                                              const at::Tensor& weight, double eps) {
-  if (current_execution_policy().add_rms_norm == AddRmsNormImpl::kFused && norm_takes_fused_op(x, weight) &&
-      residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes()) {
+  if (current_execution_policy().add_rms_norm == AddRmsNormImpl::kFused &&
+      norm_takes_fused_op(x, weight) && residual.scalar_type() == x.scalar_type() &&
+      residual.sizes() == x.sizes()) {
     auto [normed, sum] = add_zero_centered_rms_norm_fused(x, residual, weight, eps);
     return {normed, sum};
   }
@@ -225,7 +226,8 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
               "no CPU implementation) but x is on ",
               x.device(), "; use pre_gdr_fusion: gate or none on CPU");
   // The four projections of x as one group, so the backward sums their input gradients
-  // inside the GEMMs (ops/linear_group/linear_group_op.h; GDR_LINEAR_GROUP=composite: four Linear calls).
+  // inside the GEMMs (ops/linear_group/linear_group_op.h; the execution policy's linear_group
+  // composite: four Linear calls).
   const std::vector<at::Tensor> projections =
       project(x, {in_proj_qkv->weight, in_proj_z->weight, in_proj_b->weight, in_proj_a->weight});
   const at::Tensor &mixed_qkv = projections[0], &z_flat = projections[1];
@@ -235,7 +237,8 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   // q and k of the GDN are unit vectors before the core (HF: use_qk_l2norm_in_kernel).
   GdrQkNorm qk_norm = GdrQkNorm::kL2;
   if (fusion_ == PreGdrFusion::kFull) {
-    // One fused CUDA op from the projections to the core inputs (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h).
+    // One fused CUDA op from the projections to the core inputs
+    // (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h).
     const GdrInputs in =
         pre_gdr_full_fusion(mixed_qkv, conv1d->weight, a, b, A_log, dt_bias,
                             GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
@@ -243,7 +246,7 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     qk_norm = GdrQkNorm::kNone;  // normalised and repeated by the fused op
   } else {
     // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence with
-    // GDR_CAUSAL_CONV=aten, the L2 norm and the head repeat done there as the core's
+    // the policy's causal_conv aten, the L2 norm and the head repeat done there as the core's
     // chunk_prep_qk does them here (the tests' reference); keep the two in sync.
     // Causal depthwise conv over time + SiLU: [B, T, conv_dim], contiguous from the fused
     // op (so the narrow + reshape of q and k below are views), a transposed view from the
@@ -261,10 +264,11 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // o in v's dtype. v stays in x's dtype (BF16 in training, as in HF's and FLA's
     // kernels): the prep kernel widens it as it reads, dv comes back in BF16, and o comes
     // back BF16, so the gated norm below reads o, z and its output gradient in one dtype
-    // with no cast passes either way. GDR_CORE_V_FP32=1 widens v first (the core then
-    // returns an FP32 o, which the norm casts with z and the gradients), as before.
-    // pre_gdr_fusion: full hands the core its own FP32 q, k, v (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h)
-    // and rounds the core's FP32 o to the activations' dtype after it (below).
+    // with no cast passes either way. The execution policy's gdr_core_v_fp32 widens v first
+    // (the core then returns an FP32 o, which the norm casts with z and the gradients).
+    // pre_gdr_fusion: full hands the core its own FP32 q, k, v
+    // (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h) and rounds the core's FP32 o to the activations'
+    // dtype after it (below).
     v = qkv_parts[2].reshape({B, T, num_v_heads_, v_head_dim_});
     if (x.scalar_type() != at::kDouble && v.scalar_type() != at::kFloat && core_v_fp32()) {
       v = v.to(at::kFloat);

@@ -24,15 +24,15 @@
 namespace gdr {
 
 // Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math,
-// result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless GDR_RMS_NORM=composite;
-// otherwise the composition (ops/rms_norm/rms_norm_op.h: zero_centered_rms_norm_composite, the
-// reference).
+// result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless the execution policy says
+// rms_norm composite; otherwise the composition (ops/rms_norm/rms_norm_op.h:
+// zero_centered_rms_norm_composite, the reference).
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // (zero_centered_rms_norm(x + residual), x + residual) for the pre-norm residual stream:
-// where that norm takes the fused op and GDR_ADD_RMS_NORM says fused (the default), the
-// add happens inside the norm's kernels (ops/rms_norm/rms_norm_op.h: add_zero_centered_rms_norm_fused,
-// the same bits); otherwise ATen's add, then the norm.
+// where that norm takes the fused op and the policy's add_rms_norm says fused (the default), the
+// add happens inside the norm's kernels (ops/rms_norm/rms_norm_op.h:
+// add_zero_centered_rms_norm_fused, the same bits); otherwise ATen's add, then the norm.
 std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x,
                                                              const at::Tensor& residual,
                                                              const at::Tensor& weight, double eps);
@@ -46,9 +46,9 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 
 // The GDN's causal depthwise conv1d + SiLU over its qkv projection: x [B, T, C], weight
 // [C, 1, K] -> [B, T, C] in x's dtype. On CUDA (FP32/FP16/BF16, K in [2, 4]) the fused op
-// (ops/causal_conv1d/causal_conv1d_op.h: causal_conv1d_silu, contiguous result) unless GDR_CAUSAL_CONV=aten;
-// otherwise the composition (causal_conv1d_silu_composite, the reference; a transposed
-// view).
+// (ops/causal_conv1d/causal_conv1d_op.h: causal_conv1d_silu, contiguous result) unless the
+// execution policy says causal_conv aten; otherwise the composition
+// (causal_conv1d_silu_composite, the reference; a transposed view).
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
 
 // x [..., sum(sizes)] split along the last dim into views of `sizes` (as
@@ -61,7 +61,8 @@ std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<in
 
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
 // 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype. The fused
-// op on CUDA (GDR_ROPE), else the ATen composite (ops/rope/rope_op.h).
+// op on CUDA unless the execution policy says rope composite, else the ATen composite
+// (ops/rope/rope_op.h).
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
 
 // Zero-centred RMSNorm module; parameter `weight` [dim], initialised to 0.

@@ -23,7 +23,7 @@ namespace gdr {
 // forward's add runs inside the norm kernel and the backward's add of the sum's two
 // gradients inside or right after the norm's backward kernel, instead of separate ATen
 // adds; the same bits (the GPU tests compare the model's loss and gradients with
-// GDR_ADD_RMS_NORM=composite bit for bit). The decoder loop hands each layer's MLP output
+// the policy's add_rms_norm composite bit for bit). The decoder loop hands each layer's MLP output
 // to the next layer's input norm un-added (DecoderLayerImpl::forward_pending).
 
 DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index)
@@ -144,9 +144,9 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(
       logits.size(1) >= 2,
       "causal_lm_loss: expected T >= 2 tokens to predict a next one but got T = ", logits.size(1));
-  // CUDA logits take the fused op (no FP32 copy of the logits; ops/cross_entropy/cross_entropy_op.h) unless
-  // the execution policy says cross_entropy composite; the CPU and FP64 keep the composite,
-  // so their numerics do not change.
+  // CUDA logits take the fused op (no FP32 copy of the logits;
+  // ops/cross_entropy/cross_entropy_op.h) unless the execution policy says cross_entropy composite;
+  // the CPU and FP64 keep the composite, so their numerics do not change.
   const bool fused = current_execution_policy().cross_entropy == CrossEntropyImpl::kFused;
   if (fused && cross_entropy_fused_supports(logits)) {
     return causal_lm_cross_entropy(logits, labels, kIgnoreIndex);

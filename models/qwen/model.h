@@ -8,8 +8,9 @@
 // (HF's multimodal Qwen3_5ForConditionalGeneration nests the same names under
 // model.language_model.; converting is the checkpoint code's business.)
 //
-// Tied models run the lookup and the LM head as the pair of ops/tied_embedding/tied_embedding_op.h (W gets
-// one gradient; GDR_TIED_EMBEDDING=composite: torch::nn::Embedding + matmul instead).
+// Tied models run the lookup and the LM head as the pair of ops/tied_embedding/tied_embedding_op.h
+// (W gets one gradient; the execution policy's tied_embedding composite:
+// torch::nn::Embedding + matmul instead).
 //
 // Dtype/device generic: build in FP32 on CPU, init, then module.to(dtype / device).
 #pragma once
@@ -102,8 +103,9 @@ TORCH_MODULE(QwenForCausalLM);
 // input ids (HF convention, labels = input_ids for plain LM): the shift happens here,
 // logits[:, t] is scored against labels[:, t + 1]. Labels equal to -100 are ignored and
 // the mean is over the remaining tokens (NaN when none remain, as in PyTorch). CUDA
-// logits take the fused op of ops/cross_entropy/cross_entropy_op.h (GDR_CROSS_ENTROPY=composite for the
-// composite); on CUDA an out-of-range target is an error (one host read of the labels).
+// logits take the fused op of ops/cross_entropy/cross_entropy_op.h (the execution policy's
+// cross_entropy composite: the composite); on CUDA an out-of-range target is an error (one
+// host read of the labels).
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 constexpr int64_t kIgnoreIndex = -100;

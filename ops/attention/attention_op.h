@@ -3,11 +3,11 @@
 // mode), ATen's scaled_dot_product_attention everywhere else.
 //
 // Note [Attention backends]: ATen's SDPA, asked for deterministic algorithms, skips its
-// cuDNN backend and runs FlashAttention 2 with split dQ accumulators; for the 0.8B model
-// that is 13.96 ms per step against 5.78 ms for cuDNN's nondeterministic kernels (profile
-// in docs/benchmarks.md). The op here calls cuDNN directly and asks for its deterministic
-// backward when use_deterministic_mode() is true, so deterministic mode stops paying for
-// attention. It takes ATen's SDPA instead when
+// cuDNN backend and runs FlashAttention 2 with split dQ accumulators, much slower per 0.8B
+// step than cuDNN's kernels (measured: docs/benchmarks.md, Causal attention and Decisions).
+// The op here calls cuDNN directly and asks for its deterministic backward when
+// use_deterministic_mode() is true, so deterministic mode stops paying for attention. It
+// takes ATen's SDPA instead when
 //   - the execution policy's attention choice says aten (kernels.attention: aten, or
 //     GDR_ATTENTION=aten; cudnn, the default: cuDNN where it can),
 //   - the tensors are not CUDA, or not BF16/FP16,

@@ -1,6 +1,6 @@
-// CUDA implementation of the causal attention op (ops/attention/attention_op.h): the cuDNN problem for
-// the tensors' shapes and strides, outputs and workspace from the caching allocator, and
-// one cuDNN graph execution each way on the current stream (kernels/attention/cudnn_attention.h).
+// CUDA implementation of the causal attention op (ops/attention/attention_op.h): the cuDNN problem
+// for the tensors' shapes and strides, outputs and workspace from the caching allocator, and one
+// cuDNN graph execution each way on the current stream (kernels/attention/cudnn_attention.h).
 // Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -16,8 +16,8 @@
 #include <utility>
 
 #include "kernels/attention/cudnn_attention.h"
-#include "ops/attention/attention_op.h"
 #include "ops/attention/attention_internal.h"
+#include "ops/attention/attention_op.h"
 #include "ops/policy/determinism.h"
 
 namespace gdr {

@@ -1,6 +1,7 @@
 // The causal conv1d + SiLU op: schema, argument checks, the composition (the reference),
-// the CPU implementation, autograd and the GDR_CAUSAL_CONV switch. The CUDA implementation
-// registers itself from causal_conv1d_cuda.cc (linked only into CUDA binaries).
+// the CPU implementation, autograd and the execution policy's causal_conv switch. The CUDA
+// implementation registers itself from causal_conv1d_cuda.cc (linked only into CUDA
+// binaries).
 #include "ops/causal_conv1d/causal_conv1d_op.h"
 
 #include <ATen/ops/constant_pad_nd.h>
@@ -73,8 +74,8 @@ using causal_conv1d_internal::check_backward_inputs;
 using causal_conv1d_internal::check_forward_inputs;
 
 // ---------------------------------------------------------------------------
-// The composition (moved unchanged from models/qwen/layers.cc: the model's numerics on the
-// CPU and under GDR_CAUSAL_CONV=aten do not change).
+// The composition (the reference: the model's numerics on the CPU and under the execution
+// policy's causal_conv = aten).
 
 at::Tensor causal_conv1d_silu_composite(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 3 && weight.dim() == 3,
@@ -193,7 +194,6 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_silu_backward(const at::Tensor&
 
 // ---------------------------------------------------------------------------
 // The switch
-
 
 bool causal_conv1d_kernel_supports(const at::Tensor& x, const at::Tensor& weight) {
   if (!x.defined() || !weight.defined() || !x.is_cuda()) return false;

@@ -20,9 +20,10 @@
 // is not itself differentiable). Gradients come back in the dtype of their input (dx: x,
 // dweight: weight) with the input's shape; dx is contiguous.
 //
-// The model's switch: GDR_CAUSAL_CONV=kernel|aten (read at every call, default kernel)
-// picks this op or the composition on CUDA for the GDN (models/qwen/layers.cc); the CPU,
-// FP64 and unsupported K always take the composition.
+// The model's switch: the execution policy's causal_conv = kernel|aten (kernels.causal_conv,
+// environment override GDR_CAUSAL_CONV; default kernel) picks this op or the composition on
+// CUDA for the GDN (models/qwen/layers.cc); the CPU, FP64 and unsupported K always take
+// the composition.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -45,7 +46,6 @@ at::Tensor causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor causal_conv1d_silu_forward(const at::Tensor& x, const at::Tensor& weight);  // y
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_silu_backward(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight);  // (dx, dweight)
-
 
 // True when the CUDA kernels take (x, weight): x a CUDA [B, T, C] tensor of dtype Float,
 // Half or BFloat16, weight [C, 1, K] of x's dtype on x's device with K in [2, 4].

@@ -1,7 +1,7 @@
-// CUDA implementation of the causal conv1d + SiLU op (ops/causal_conv1d/causal_conv1d_op.h): argument
-// checks, the operand layouts, scratch from the caching allocator and the launches of
-// kernels/causal_conv1d/causal_conv1d.cu on the current stream (forward: 1 launch; backward: the tile
-// kernel and the ordered weight-gradient reduction, Note [Causal conv determinism]).
+// CUDA implementation of the causal conv1d + SiLU op (ops/causal_conv1d/causal_conv1d_op.h):
+// argument checks, the operand layouts, scratch from the caching allocator and the launches of
+// kernels/causal_conv1d/causal_conv1d.cu on the current stream (forward: 1 launch; backward: the
+// tile kernel and the ordered weight-gradient reduction, Note [Causal conv determinism]).
 // Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,8 +13,8 @@
 #include <tuple>
 
 #include "kernels/causal_conv1d/causal_conv1d.h"
-#include "ops/causal_conv1d/causal_conv1d_op.h"
 #include "ops/causal_conv1d/causal_conv1d_internal.h"
+#include "ops/causal_conv1d/causal_conv1d_op.h"
 
 namespace gdr {
 namespace {

@@ -1,7 +1,7 @@
 // The causal-LM cross-entropy ops: schema, argument checks, the composite (reference),
-// the CPU implementation, autograd and the GDR_CROSS_ENTROPY switch. The CUDA
-// implementation registers itself from cross_entropy_cuda.cc (linked only into CUDA
-// binaries).
+// the CPU implementation, autograd and what the execution policy's cross_entropy switch
+// asks of the op (cross_entropy_fused_supports). The CUDA implementation registers itself
+// from cross_entropy_cuda.cc (linked only into CUDA binaries).
 #include "ops/cross_entropy/cross_entropy_op.h"
 
 #include <ATen/core/Reduction.h>
@@ -248,7 +248,6 @@ at::Tensor causal_lm_cross_entropy_backward(const at::Tensor& grad_loss, const a
 
 // ---------------------------------------------------------------------------
 // The switch
-
 
 bool cross_entropy_fused_supports(const at::Tensor& logits) {
   const at::ScalarType t = logits.scalar_type();

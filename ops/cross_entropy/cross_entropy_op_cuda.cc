@@ -1,9 +1,9 @@
-// CUDA implementation of the causal-LM cross-entropy ops (ops/cross_entropy/cross_entropy_op.h): argument
-// checks, the host check of the targets (Note [Cross-entropy target check]), the
-// logits / labels layout for the kernels, scratch from the caching allocator and the
-// launches of kernels/cross_entropy/cross_entropy.cu on the current stream (forward: the row kernel
-// and the ordered mean, Note [Cross-entropy determinism]; backward: one row kernel).
-// Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
+// CUDA implementation of the causal-LM cross-entropy ops (ops/cross_entropy/cross_entropy_op.h):
+// argument checks, the host check of the targets (Note [Cross-entropy target check]), the logits /
+// labels layout for the kernels, scratch from the caching allocator and the launches of
+// kernels/cross_entropy/cross_entropy.cu on the current stream (forward: the row kernel and the
+// ordered mean, Note [Cross-entropy determinism]; backward: one row kernel). Registered for the
+// CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,8 +11,8 @@
 #include <torch/library.h>
 
 #include "kernels/cross_entropy/cross_entropy.h"
-#include "ops/cross_entropy/cross_entropy_op.h"
 #include "ops/cross_entropy/cross_entropy_internal.h"
+#include "ops/cross_entropy/cross_entropy_op.h"
 
 namespace gdr {
 namespace {

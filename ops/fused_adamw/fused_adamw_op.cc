@@ -1,5 +1,5 @@
-// The fused optimizer tail op (ops/fused_adamw/fused_adamw_op.h): schema, checks, the reference ATen
-// sequence (CPU implementation). The CUDA implementation registers itself from
+// The fused optimizer tail op (ops/fused_adamw/fused_adamw_op.h): schema, checks, the reference
+// ATen sequence (CPU implementation). The CUDA implementation registers itself from
 // ops/fused_adamw/fused_adamw_op_cuda.cc.
 #include "ops/fused_adamw/fused_adamw_op.h"
 

@@ -1,6 +1,7 @@
 // The gated activation ops: schema, argument checks, the composite (reference), the CPU
-// implementation, autograd and the GDR_GATED_ACTIVATION switch. The CUDA implementation
-// registers itself from gated_activation_cuda.cc (linked only into CUDA binaries).
+// implementation, autograd and the execution policy's gated_activation switch. The CUDA
+// implementation registers itself from gated_activation_cuda.cc (linked only into CUDA
+// binaries).
 #include "ops/gated_activation/gated_activation_op.h"
 
 #include <ATen/TensorOperators.h>
@@ -165,7 +166,6 @@ std::tuple<at::Tensor, at::Tensor> gated_activation_backward(const at::Tensor& g
                                                              GatedActivationKind kind) {
   return backward_op().call(grad_y, gate, x, static_cast<int64_t>(kind));
 }
-
 
 at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& x, GatedActivationKind kind) {
   const at::ScalarType t = x.scalar_type();

@@ -3,14 +3,15 @@
 //   sigmoid: y = x * sigmoid(gate)   (gated attention: attn * sigmoid(gate))
 // gate and x: one dtype (Float, Half, BFloat16; Double on the CPU), one device, the same
 // number of elements, taken elementwise in row-major order; y has x's shape, grad_gate
-// gate's. On CUDA the kernels of kernels/gated_activation/gated_activation.h read a contiguous operand, or
-// one whose last dim is contiguous and whose leading dims step uniformly (a piece split off
-// a wider projection), in place; anything else is copied contiguous first. Outputs and
+// gate's. On CUDA the kernels of kernels/gated_activation/gated_activation.h read a contiguous
+// operand, or one whose last dim is contiguous and whose leading dims step uniformly (a piece split
+// off a wider projection), in place; anything else is copied contiguous first. Outputs and
 // gradients carry the unfused ATen ops' bits (Note [Gated activation rounding]); the CPU
 // implementation is those ATen ops. Elementwise, deterministic by construction.
 //
-// The model's switch: GDR_GATED_ACTIVATION=fused|composite (read at every call, default
-// fused) picks this op or the ATen composite on CUDA (models/qwen/layers.cc).
+// The model's switch: the execution policy's gated_activation = fused|composite
+// (kernels.gated_activation, environment override GDR_GATED_ACTIVATION; default fused)
+// picks this op or the ATen composite on CUDA (models/qwen/layers.cc).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,7 +40,6 @@ std::tuple<at::Tensor, at::Tensor> gated_activation_backward(const at::Tensor& g
                                                              const at::Tensor& gate,
                                                              const at::Tensor& x,
                                                              GatedActivationKind kind);
-
 
 // The model's entry: the fused op for CUDA inputs of dtype Float, Half or BFloat16 when the
 // switch says fused, else the composite.

@@ -1,7 +1,7 @@
-// CUDA implementation of the gated activation ops (ops/gated_activation/gated_activation_op.h): argument
-// checks, each operand's segment layout (read in place where the kernels can), the outputs
-// from the caching allocator, and one launch of kernels/gated_activation/gated_activation.cu each way on
-// the current stream. Registered for the CUDA dispatch key; linked into CUDA binaries only
+// CUDA implementation of the gated activation ops (ops/gated_activation/gated_activation_op.h):
+// argument checks, each operand's segment layout (read in place where the kernels can), the outputs
+// from the caching allocator, and one launch of kernels/gated_activation/gated_activation.cu each
+// way on the current stream. Registered for the CUDA dispatch key; linked into CUDA binaries only
 // (via :cuda_ops).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,8 +12,8 @@
 #include <tuple>
 
 #include "kernels/gated_activation/gated_activation.h"
-#include "ops/gated_activation/gated_activation_op.h"
 #include "ops/gated_activation/gated_activation_internal.h"
+#include "ops/gated_activation/gated_activation_op.h"
 
 namespace gdr {
 namespace {

@@ -489,10 +489,10 @@ KernelOperands kernel_operands(const at::Tensor& q, const at::Tensor& k, const a
 // consecutive column slices of one [B, T, 2 * H * dk + H * dv] buffer (the split of the
 // causal conv's output, Note [Split, not narrow] in models/qwen/layers.cc), and the
 // split's backward concatenates dq, dk and dv into that layout again (a cat pass over
-// [B, T, 6144] per GDN layer and microbatch: 1.2 ms per 0.8B step). When the inputs are
-// laid out so (and each value head has its own key head, so the kernel writes dq and dk
-// itself), the backward kernel writes dq, dk, dv as the same slices of one new buffer
-// (ChunkPrepBackwardArgs::grad_token_stride), and split_last_dim's backward
+// [B, T, 6144] per GDN layer and microbatch; measured: docs/benchmarks.md, Decisions).
+// When the inputs are laid out so (and each value head has its own key head, so the kernel
+// writes dq and dk itself), the backward kernel writes dq, dk, dv as the same slices of one
+// new buffer (ChunkPrepBackwardArgs::grad_token_stride), and split_last_dim's backward
 // (models/qwen/layers.cc) returns that buffer without a copy. The values are the same; only
 // where they are stored changes.
 // The row width S of that buffer when q, k, v (as the kernel reads them: x) are exactly

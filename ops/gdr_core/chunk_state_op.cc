@@ -364,8 +364,9 @@ backward_via_scan(const std::optional<at::Tensor>& grad_o,
       batched_product(gemm, false, true, {{dV3, S3}}, /*alpha=*/-1.0f).view({B, H, N, C, dk});
   at::Tensor dkend = batched_product(gemm, false, true, {{V3, G3}}).view({B, H, N, C, dk});
   // The scan's partial dots summed per (b, h, n): a matrix-vector product with ones (one
-  // cuBLAS GEMV, deterministic) instead of at::sum over the last dim, whose reduce kernel
-  // ran 528 rows of 2048 at 9.7 us per call in the 0.8B step (0.7 ms per step on the H200).
+  // cuBLAS GEMV, deterministic) instead of at::sum over the last dim, whose reduce kernel is
+  // slower on these 528 rows of 2048 in the 0.8B step (measured: docs/benchmarks.md, Other
+  // kernels in the 0.8B step).
   const int64_t parts = dot_partials.size(-1);
   at::Tensor dg_last =
       at::mv(dot_partials.view({-1, parts}), at::ones({parts}, dot_partials.options()))

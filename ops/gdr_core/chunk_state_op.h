@@ -25,10 +25,10 @@
 //   dKend_n = V_n g_{n+1}^T      dGlast_n = exp(Glast_n) * sum(S_n .* g_{n+1})
 //   g_n = exp(Glast_n) g_{n+1} + Qd_n^T dO_n - W_n^T dV_n;  d initial_state = g_0
 //
-// CPU: FP32 or FP64, an ATen loop over chunks (the reference). CUDA (ops/gdr_core/gdr_core_op_cuda.cc,
-// linked through //ops:cuda_ops): FP32, C = 64, dk in {64, 128, 256}, dv a multiple of
-// 16; runs on the current stream; deterministic by construction (no atomics, every sum in
-// a fixed order: see Note [Chunk state scan determinism] in
+// CPU: FP32 or FP64, an ATen loop over chunks (the reference). CUDA
+// (ops/gdr_core/gdr_core_op_cuda.cc, linked through //ops:cuda_ops): FP32, C = 64, dk in {64, 128,
+// 256}, dv a multiple of 16; runs on the current stream; deterministic by construction (no atomics,
+// every sum in a fixed order: see Note [Chunk state scan determinism] in
 // kernels/gdr_core/chunk_state_kernel.cuh and Note [Chunk GEMM determinism] in
 // kernels/gdr_core/chunk_gemm.h for the batched products).
 // Saving S_n from the forward instead of recomputing it costs B*H*N*dk*dv*4 bytes
@@ -96,10 +96,11 @@ using ScanLauncher = std::function<void(const kernels::ChunkStateScanArgs&)>;
 // kernels::chunk_gemm_supports accepts (every shape the scan supports: M in {64, dk}, N in
 // {dv, dk, 64}, K in {dk, dv, 64}; the [B, H, N] chunks as one batch) goes to `gemm`, which
 // must do what kernels::launch_chunk_gemm does (on the CUDA op: the 3xTF32 tensor-core GEMM
-// on the current stream, GDR_CHUNK_GEMM_TC); O is then one two-product GEMM. Products it
-// does not accept (a batch over 2^31 - 1 blocks), and all of them when `gemm` is empty (the
-// CPU tests, GDR_CHUNK_GEMM_TC=0), run as at::bmm / baddbmm_ (cuBLAS FP32 on CUDA). The
-// results' dtypes, shapes and layouts are the same either way.
+// on the current stream, unless the execution policy's chunk_gemm_tensor_cores is false); O
+// is then one two-product GEMM. Products it does not accept (a batch over 2^31 - 1 blocks),
+// and all of them when `gemm` is empty (the CPU tests, chunk_gemm_tensor_cores false), run
+// as at::bmm / baddbmm_ (cuBLAS FP32 on CUDA). The results' dtypes, shapes and layouts are
+// the same either way.
 using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 // Note [State pass side stream]: in the backward, dQd = dO S^T and dP = dO V^T read only
 // dO and the forward's S and V, not the reverse scan's carries, so they need not wait for
@@ -107,8 +108,8 @@ using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 // blocks at H = 16, dv = 128, each alone on its SM (190 KiB of shared memory at dk = 128
 // with its two operand stages: no 68 KiB GEMM block fits beside it), bound by its
 // per-chunk dependency chain. Beside it the two GEMMs get the SMs the scan leaves idle and
-// then overlap dW, dKend and the dGlast sum; measured on the H200: 0.5-1.2% of the core's
-// forward+backward and 0.7% of the 0.8B step (docs/benchmarks.md, GDR core, session 14).
+// then overlap dW, dKend and the dGlast sum: a small gain, the scan leaving little room
+// (measured: docs/benchmarks.md, Decisions).
 // A SideStream gives backward_via_scan that concurrency:
 //   fork()     marks the current point of the caller's (current) stream;
 //   run(work)  calls `work` with its launches ordered after that mark but concurrent with
@@ -120,9 +121,9 @@ using ChunkGemmLauncher = std::function<void(const kernels::ChunkGemmArgs&)>;
 // input it reads stays referenced until join(), so the caching allocator never hands
 // their memory to the caller's later launches while `work` may still touch it. The bits
 // cannot change: each GEMM writes its own output with its own fixed order (Note [Chunk
-// GEMM determinism]); only when they run changes. Without a SideStream
-// (GDR_CHUNK_GEMM_OVERLAP=0 or the cuBLAS products on CUDA) the two GEMMs run in line,
-// after the scan. The CPU test passes one that fills the side GEMMs' outputs with NaN at
+// GEMM determinism]); only when they run changes. Without a SideStream (the execution
+// policy's chunk_gemm_overlap false, or the cuBLAS products on CUDA) the two GEMMs run in
+// line, after the scan. The CPU test passes one that fills the side GEMMs' outputs with NaN at
 // run() and computes them at join(), so a read of dQd or dP before the join shows.
 class SideStream {
  public:

@@ -138,7 +138,8 @@ std::atomic<bool> g_prep_op_on_cpu_for_testing{false};
 bool use_chunk_prep_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, int64_t dk,
                            int64_t dv) {
   if (!q.is_cuda()) {
-    return g_prep_op_on_cpu_for_testing.load() && current_execution_policy().gdr_core_prep == GdrCorePrep::kKernel;
+    return g_prep_op_on_cpu_for_testing.load() &&
+           current_execution_policy().gdr_core_prep == GdrCorePrep::kKernel;
   }
   if (current_execution_policy().gdr_core_prep != GdrCorePrep::kKernel) return false;
   if (ct != at::kFloat || C != kernels::kChunkPrepChunk || !kernels::chunk_prep_supports(dk, dv)) {
@@ -156,7 +157,8 @@ bool use_chunk_prep_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, in
 bool use_chunk_state_kernel(const at::Tensor& q, at::ScalarType ct, int64_t C, int64_t dk,
                             int64_t dv) {
   if (!q.is_cuda()) {
-    return g_op_on_cpu_for_testing.load() && current_execution_policy().gdr_core_impl == GdrCoreImpl::kKernel;
+    return g_op_on_cpu_for_testing.load() &&
+           current_execution_policy().gdr_core_impl == GdrCoreImpl::kKernel;
   }
   if (current_execution_policy().gdr_core_impl != GdrCoreImpl::kKernel) return false;
   if (ct != at::kFloat || C != kernels::kChunkStateChunk ||

@@ -33,10 +33,11 @@
 // Gradients flow through libtorch autograd into q, k, v, g, beta and initial_state. Steps
 // 1-6 of the chunked form are ATen ops, or on CUDA the chunk_prep op when the policy's
 // gdr_core_prep says kernel. Step 7 (the inter-chunk state pass) is, on CUDA in FP32 with
-// the default chunk when the policy's gdr_core_impl says kernel, the chunk_state_pass op (ops/gdr_core/chunk_state_op.h: one kernel walk each way,
-// deterministic by construction); otherwise (CPU always, FP64, other chunk sizes, head
-// dims the kernel does not support, or the policy saying composite) a loop of ATen ops
-// over chunks. The CPU path is sequential and deterministic.
+// the default chunk when the policy's gdr_core_impl says kernel, the chunk_state_pass op
+// (ops/gdr_core/chunk_state_op.h: one kernel walk each way, deterministic by construction);
+// otherwise (CPU always, FP64, other chunk sizes, head dims the kernel does not support, or the
+// policy saying composite) a loop of ATen ops over chunks. The CPU path is sequential and
+// deterministic.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -136,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_recurrent(
 
 // Note [Chunk output layout] (ops/gdr_core/gdr_core_op.cc): the core's output between the state
 // pass's chunk layout and the model's token layout, as dispatcher ops (CPU: ATen copies;
-// CUDA, ops/gdr_core/gdr_core_op_cuda.cc: kernels/gdr_core/chunk_layout.h where it applies, else the same
-// ATen copies). Exact copies (16-bit outputs rounded to nearest even as copy_ rounds), so
+// CUDA, ops/gdr_core/gdr_core_op_cuda.cc: kernels/gdr_core/chunk_layout.h where it applies, else
+// the same ATen copies). Exact copies (16-bit outputs rounded to nearest even as copy_ rounds), so
 // every implementation gives the same bits.
 // o_chunks [B, H, N, C, dv] (N * C >= tokens) -> o [B, tokens, H, dv] in `dtype`,
 // contiguous.

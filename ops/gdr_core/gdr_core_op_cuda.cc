@@ -2,8 +2,8 @@
 // chunk prep op (ops/gdr_core/chunk_prep_op.h, kernels/gdr_core/chunk_prep.cu, below).
 // The chunk state pass op (ops/gdr_core/chunk_state_op.h): the
 // scan-based implementation (chunk_state_internal::forward_via_scan / backward_via_scan
-// in ops/gdr_core/chunk_state_op.cc) with the scan kernel (kernels/gdr_core/chunk_state.cu) launched
-// on the current stream. The sequential chunk walk is one kernel launch each way;
+// in ops/gdr_core/chunk_state_op.cc) with the scan kernel (kernels/gdr_core/chunk_state.cu)
+// launched on the current stream. The sequential chunk walk is one kernel launch each way;
 // everything that does not depend on the carry (O, P^T dO, Qd^T dO, dW, dQd, dP, dKend)
 // is a handful of batched GEMMs over all (batch, head, chunk), on the 3xTF32 tensor-core
 // GEMM kernel (kernels/gdr_core/chunk_gemm.cu, on wgmma where the GPU code has it unless the
@@ -28,14 +28,14 @@
 #include <optional>
 #include <string_view>
 
-#include "kernels/gdr_core/chunk_layout.h"
 #include "kernels/gdr_core/chunk_gemm.h"
+#include "kernels/gdr_core/chunk_layout.h"
 #include "kernels/gdr_core/chunk_prep.h"
 #include "kernels/gdr_core/chunk_state.h"
-#include "ops/policy/execution_policy.h"
 #include "ops/gdr_core/chunk_prep_op.h"
 #include "ops/gdr_core/chunk_state_op.h"
 #include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 
 namespace gdr {
 namespace {
@@ -79,8 +79,8 @@ chunk_state_internal::ChunkGemmLauncher gemm_launcher(const char* what) {
 }
 
 // The policy's chunk_gemm_overlap runs the backward's dQd and dP GEMMs on a side stream
-// beside the reverse scan (Note [State pass side stream] in ops/gdr_core/chunk_state_op.h), or after
-// it on the current stream. Only with the tensor-core GEMM: the cuBLAS fallback always runs
+// beside the reverse scan (Note [State pass side stream] in ops/gdr_core/chunk_state_op.h), or
+// after it on the current stream. Only with the tensor-core GEMM: the cuBLAS fallback always runs
 // in line.
 bool gemm_overlap_allowed() { return current_execution_policy().chunk_gemm_overlap; }
 

@@ -1,6 +1,6 @@
 // The linear group op: argument checks, the composite (reference), autograd with the
-// input gradient summed inside the GEMMs, and the GDR_LINEAR_GROUP switch. Plain ATen
-// calls, so one implementation for every device.
+// input gradient summed inside the GEMMs, and the execution policy's linear_group switch.
+// Plain ATen calls, so one implementation for every device.
 #include "ops/linear_group/linear_group_op.h"
 
 #include <ATen/core/grad_mode.h>
@@ -84,11 +84,11 @@ std::vector<size_t> accumulation_order(const torch::autograd::variable_list& sav
 // When several projections read one x, autograd gets one input gradient per projection
 // (dY_i @ W_i, each a GEMM rounded to x's dtype) and sums them with one add kernel of
 // x's size per extra consumer: ~360 BF16 [B*T, hidden] adds per optimizer step of the
-// 0.8B model (~1.3 ms on an H200). Here the first product gives dX = dY_i @ W_i and every
-// further one runs dX.addmm_(dY_j, W_j) with beta = 1: cuBLAS (or the CPU GEMM) reads dX
-// in its epilogue, adds it to the FP32 accumulator and rounds once. So dX is not the
-// composite's bits (separately rounded products, then a rounded add each): it is rounded
-// to x's dtype once per GEMM instead of once per GEMM and once per add.
+// 0.8B model (measured: docs/benchmarks_log.md). Here the first product gives
+// dX = dY_i @ W_i and every further one runs dX.addmm_(dY_j, W_j) with beta = 1: cuBLAS (or
+// the CPU GEMM) reads dX in its epilogue, adds it to the FP32 accumulator and rounds once.
+// So dX is not the composite's bits (separately rounded products, then a rounded add each):
+// it is rounded to x's dtype once per GEMM instead of once per GEMM and once per add.
 //
 // Each of those roundings is of the running sum, so the order matters for accuracy: the
 // products go in order of increasing out_i (ties in index order), the narrow projections'
@@ -171,9 +171,9 @@ std::vector<at::Tensor> linear_group_composite(const at::Tensor& x, at::TensorLi
   return ys;
 }
 
-
 std::vector<at::Tensor> project(const at::Tensor& x, at::TensorList weights) {
-  if (current_execution_policy().linear_group == LinearGroupImpl::kComposite) return linear_group_composite(x, weights);
+  if (current_execution_policy().linear_group == LinearGroupImpl::kComposite)
+    return linear_group_composite(x, weights);
   return linear_group(x, weights);
 }
 

@@ -19,9 +19,10 @@
 // Outputs whose gradient is undefined (unused) are skipped; weights that do not require a
 // gradient get none.
 //
-// The model's switch: GDR_LINEAR_GROUP=fused|composite (read at every call, default
-// fused) picks this op or one at::linear per weight (autograd then adds the input
-// gradients), on every device.
+// The model's switch: the execution policy's linear_group = fused|composite
+// (kernels.linear_group, environment override GDR_LINEAR_GROUP; default fused) picks this
+// op or one at::linear per weight (autograd then adds the input gradients), on every
+// device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -36,13 +37,12 @@ namespace gdr {
 // weight 2-D with size(1) == x.size(-1), of x's dtype and device.
 std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList weights);
 
-// The composite (reference; the model's path under GDR_LINEAR_GROUP=composite): one
+// The composite (reference; the model's path under the policy's linear_group = composite): one
 // at::linear(x, W_i) per weight, autograd through them.
 std::vector<at::Tensor> linear_group_composite(const at::Tensor& x, at::TensorList weights);
 
-
 // The model's entry: the projections of x by `weights` (a Linear's ->weight each), through
-// linear_group or the composite as GDR_LINEAR_GROUP says.
+// linear_group or the composite as the execution policy's linear_group says.
 std::vector<at::Tensor> project(const at::Tensor& x, at::TensorList weights);
 
 }  // namespace gdr

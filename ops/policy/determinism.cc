@@ -49,16 +49,17 @@ absl::Status apply_deterministic_mode(const ExecutionPolicy& policy) {
   // debug variable CUBLAS_WORKSPACE_CONFIG=:4096:8 / :16:8. libtorch does the first: every
   // (handle, stream) pair gets its own workspace from the caching allocator, and its
   // cuBLASLt calls pass an explicit workspace. libtorch 2.11 no longer checks the variable,
-  // and exporting it makes cuBLAS pick slower kernels (it was all of deterministic mode's
-  // step cost when it was pinned: docs/benchmarks.md). So it is not pinned; a value the user exports is
-  // left alone (any value is reproducible under libtorch's per-stream workspaces). The
-  // state-equality protocol (fresh-process reruns compared bit for bit on the H200) is the
-  // check that this holds.
+  // and exporting it makes cuBLAS pick slower kernels (pinned, it was all of deterministic
+  // mode's extra step cost: docs/benchmarks.md, Decisions). So it is not pinned; a value the
+  // user exports is left alone (any value is reproducible under libtorch's per-stream
+  // workspaces). The state-equality protocol (fresh-process reruns compared bit for bit on
+  // the GPU) is the check that this holds.
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   // Note [Uninitialized-memory fill]: with deterministic algorithms on, PyTorch also fills
   // every at::empty() with NaN (or the dtype's max) by default: a guard against kernels that
   // read memory they never wrote, paid as one extra fill kernel per allocation, which made
-  // up most of deterministic mode's cost in a launch-bound step (docs/benchmarks.md).
+  // up most of deterministic mode's cost in a launch-bound step (docs/benchmarks.md,
+  // Decisions).
   // Every kernel on the training path writes all of its outputs, and the state-equality
   // protocol (fresh-process reruns compared bit for bit) is what checks that, so the fill
   // is off unless the policy's deterministic_fill_uninitialized_memory asks for it

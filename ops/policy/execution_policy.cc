@@ -39,8 +39,9 @@ Choice enum_choice(const char* key, const char* config_key, const char* variable
                    std::vector<std::string> names, Enum ExecutionPolicy::*member,
                    const char* what) {
   Choice c;
-  c.key = {key, config_key, variable, names, names.at(static_cast<size_t>(ExecutionPolicy{}.*member)),
-           what};
+  c.key = {
+      key, config_key, variable, names, names.at(static_cast<size_t>(ExecutionPolicy{}.*member)),
+      what};
   c.show = [names, member](const ExecutionPolicy& p) {
     return names.at(static_cast<size_t>(p.*member));
   };
@@ -96,8 +97,11 @@ std::optional<kernels::GateTile> parse_tile_text(absl::string_view text) {
 
 Choice gate_tile_choice() {
   Choice c;
-  c.key = {"pre_gdr_gate_tile", "kernels.pre_gdr_gate_tile", "GDR_PRE_GDR_GATE_TILE",
-           {"auto", "BLOCK_TxBLOCK_HxTHREADS"}, "auto",
+  c.key = {"pre_gdr_gate_tile",
+           "kernels.pre_gdr_gate_tile",
+           "GDR_PRE_GDR_GATE_TILE",
+           {"auto", "BLOCK_TxBLOCK_HxTHREADS"},
+           "auto",
            "the gate backward's tile in both modes (auto: autotuned by default, the cost rule "
            "in deterministic mode)"};
   c.show = [](const ExecutionPolicy& p) {
@@ -143,8 +147,7 @@ const std::vector<Choice>& choices() {
                   &P::pre_gdr_fusion, "how the Gated DeltaNet layers run the pre-GDR gate"),
       gate_tile_choice(),
       enum_choice("pre_gdr_gate_ordered", "kernels.pre_gdr_gate_ordered",
-                  "GDR_PRE_GDR_GATE_ORDERED", {"auto", "single_pass", "two_pass"},
-                  &P::gate_ordered,
+                  "GDR_PRE_GDR_GATE_ORDERED", {"auto", "single_pass", "two_pass"}, &P::gate_ordered,
                   "the gate backward's ordered reduction: one launch, two launches, or by "
                   "shape (same bits)"),
       enum_choice("gdr_core_impl", "kernels.gdr_core_impl", "GDR_CORE_IMPL",
@@ -152,14 +155,14 @@ const std::vector<Choice>& choices() {
                   "the GDR core's state pass on CUDA: chunk-scan kernels or the ATen loop"),
       enum_choice("gdr_core_prep", "kernels.gdr_core_prep", "GDR_CORE_PREP", {"kernel", "aten"},
                   &P::gdr_core_prep, "the GDR core's chunk preparation on CUDA: kernels or ATen"),
-      bool_choice("chunk_scan_tensor_cores", "kernels.chunk_scan_tensor_cores",
-                  "GDR_CHUNK_SCAN_TC", &P::chunk_scan_tensor_cores, true,
+      bool_choice("chunk_scan_tensor_cores", "kernels.chunk_scan_tensor_cores", "GDR_CHUNK_SCAN_TC",
+                  &P::chunk_scan_tensor_cores, true,
                   "the chunk scan on tensor cores (3xTF32); false: the FP32 SIMT scan"),
-      bool_choice("chunk_prep_tensor_cores", "kernels.chunk_prep_tensor_cores",
-                  "GDR_CHUNK_PREP_TC", &P::chunk_prep_tensor_cores, true,
+      bool_choice("chunk_prep_tensor_cores", "kernels.chunk_prep_tensor_cores", "GDR_CHUNK_PREP_TC",
+                  &P::chunk_prep_tensor_cores, true,
                   "the chunk prep backward's dM and dK / dQ products on tensor cores (3xTF32)"),
-      bool_choice("chunk_gemm_tensor_cores", "kernels.chunk_gemm_tensor_cores",
-                  "GDR_CHUNK_GEMM_TC", &P::chunk_gemm_tensor_cores, true,
+      bool_choice("chunk_gemm_tensor_cores", "kernels.chunk_gemm_tensor_cores", "GDR_CHUNK_GEMM_TC",
+                  &P::chunk_gemm_tensor_cores, true,
                   "the state pass's GEMMs on the 3xTF32 kernel; false: cuBLAS FP32"),
       bool_choice("chunk_gemm_wgmma", "kernels.chunk_gemm_wgmma", "GDR_CHUNK_GEMM_WGMMA",
                   &P::chunk_gemm_wgmma, true,
@@ -222,8 +225,8 @@ std::string refusal(const Choice& c, absl::string_view text) {
 // Non-policy GDR_* variables that parts of gdr read (set-up and scripts, the distributed
 // launcher): not typos.
 const std::set<std::string>& other_gdr_variables() {
-  static const std::set<std::string> names = {
-      "GDR_CACHE", "GDR_LIBTORCH", "GDR_CUDNN_FRONTEND", "GDR_TORCH_LIB", "GDR_DIST_TIMEOUT_S"};
+  static const std::set<std::string> names = {"GDR_CACHE", "GDR_LIBTORCH", "GDR_CUDNN_FRONTEND",
+                                              "GDR_TORCH_LIB", "GDR_DIST_TIMEOUT_S"};
   return names;
 }
 
@@ -261,9 +264,14 @@ bool operator==(const ExecutionPolicy& a, const ExecutionPolicy& b) {
 
 const std::vector<ExecutionPolicyKey>& execution_policy_keys() {
   static const std::vector<ExecutionPolicyKey> keys = [] {
-    static const std::set<std::string> same_bits = {
-        "deterministic_fill_uninitialized_memory", "pre_gdr_gate_ordered", "chunk_gemm_overlap",
-        "rms_norm_kernel", "add_rms_norm", "gated_activation", "rope", "cuda_graphs"};
+    static const std::set<std::string> same_bits = {"deterministic_fill_uninitialized_memory",
+                                                    "pre_gdr_gate_ordered",
+                                                    "chunk_gemm_overlap",
+                                                    "rms_norm_kernel",
+                                                    "add_rms_norm",
+                                                    "gated_activation",
+                                                    "rope",
+                                                    "cuda_graphs"};
     std::vector<ExecutionPolicyKey> k;
     for (const Choice& c : choices()) {
       k.push_back(c.key);

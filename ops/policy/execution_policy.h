@@ -22,8 +22,8 @@
 // Determinism is the exception that keeps the seed contract: use_deterministic_mode()
 // (ops/policy/determinism.h) is still read at every call from its in-process override,
 // GDR_DETERMINISTIC and PyTorch's deterministicAlgorithms(). The policy's `deterministic`
-// field is what the run asked for; apply_deterministic_mode (ops/policy/determinism.h) turns PyTorch's
-// switch on from it at start-up, which use_deterministic_mode() then sees.
+// field is what the run asked for; apply_deterministic_mode (ops/policy/determinism.h) turns
+// PyTorch's switch on from it at start-up, which use_deterministic_mode() then sees.
 #pragma once
 
 #include <cstdint>
@@ -80,10 +80,11 @@ struct ExecutionPolicy {
   GdrCorePrep gdr_core_prep = GdrCorePrep::kKernel;
   bool chunk_scan_tensor_cores = true;  // the scan's 3xTF32 tensor-core variant
   bool chunk_prep_tensor_cores = true;  // the prep backward's dM, dK / dQ on tensor cores
-  bool chunk_gemm_tensor_cores = true;  // the state pass's GEMMs on the 3xTF32 kernel (false: cuBLAS FP32)
-  bool chunk_gemm_wgmma = true;         // that GEMM on wgmma where the GPU code has it (sm_90a)
-  bool chunk_gemm_overlap = true;       // the backward's dQd / dP GEMMs on a side stream
-  bool gdr_core_v_fp32 = false;         // hand the core an FP32 copy of v
+  bool chunk_gemm_tensor_cores =
+      true;                      // the state pass's GEMMs on the 3xTF32 kernel (false: cuBLAS FP32)
+  bool chunk_gemm_wgmma = true;  // that GEMM on wgmma where the GPU code has it (sm_90a)
+  bool chunk_gemm_overlap = true;  // the backward's dQd / dP GEMMs on a side stream
+  bool gdr_core_v_fp32 = false;    // hand the core an FP32 copy of v
   // The other ops.
   AttentionBackend attention = AttentionBackend::kCudnn;
   RmsNormImpl rms_norm = RmsNormImpl::kFused;
@@ -113,8 +114,9 @@ struct ExecutionPolicyKey {
   std::string key;         // "rms_norm"
   std::string config_key;  // "kernels.rms_norm" (or "model.deterministic_mode", ...)
   std::string variable;    // "GDR_RMS_NORM"
-  std::vector<std::string> values;  // {"fused", "composite"}; the gate tile: {"auto", "TxHxTHREADS"}
-  std::string default_value;        // "fused"
+  std::vector<std::string>
+      values;                 // {"fused", "composite"}; the gate tile: {"auto", "TxHxTHREADS"}
+  std::string default_value;  // "fused"
   std::string what;
   // Every value computes the same bits (a scheduling or launch choice: the gate's ordered
   // variant, the GEMM overlap, the residual add's place, the norm's kernel variant, CUDA

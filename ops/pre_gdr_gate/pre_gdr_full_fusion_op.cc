@@ -19,8 +19,8 @@
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion.h"
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion_math.h"
 #include "ops/policy/determinism.h"
-#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "ops/pre_gdr_gate/pre_gdr_gate_internal.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 
 namespace gdr {
 namespace {
@@ -303,9 +303,10 @@ GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv_in, const at::Tens
   const int64_t dk = heads.head_k_dim, dv = heads.head_v_dim;
   const int64_t key_dim = Hk * dk, value_dim = Hv * dv;
   const int64_t taps = conv_weight.size(-1);
-  // From here on, op for op models/qwen/layers.cc GatedDeltaNetImpl::forward with
-  // GDR_CAUSAL_CONV=aten (ops/causal_conv1d/causal_conv1d_op.cc: causal_conv1d_silu_composite), then the L2
-  // norm and head repeat of the core's chunk_prep_qk (ops/gdr_core/chunk_prep_op.h).
+  // From here on, op for op models/qwen/layers.cc GatedDeltaNetImpl::forward with the
+  // execution policy's causal_conv = aten (ops/causal_conv1d/causal_conv1d_op.cc:
+  // causal_conv1d_silu_composite), then the L2 norm and head repeat of the core's
+  // chunk_prep_qk (ops/gdr_core/chunk_prep_op.h).
   at::Tensor qkv = qkv_in.transpose(1, 2);  // [B, conv_dim, T]
   qkv = at::conv1d(at::constant_pad_nd(qkv, {taps - 1, 0}, 0.0), conv_weight,
                    /*bias=*/std::nullopt, /*stride=*/at::IntArrayRef{1},

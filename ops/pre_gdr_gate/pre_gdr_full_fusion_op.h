@@ -1,6 +1,7 @@
 // Full pre-GDR fusion op: the Gated DeltaNet's path from its projection outputs to the GDR
-// core inputs as one CUDA op with its own backward (kernels: kernels/pre_gdr_gate/pre_gdr_full_fusion.h;
-// spec: shared design note pre_gdr_gate.md, "What full pre-GDR fusion covers").
+// core inputs as one CUDA op with its own backward (kernels:
+// kernels/pre_gdr_gate/pre_gdr_full_fusion.h; spec: shared design note pre_gdr_gate.md, "What full
+// pre-GDR fusion covers").
 //
 //   qkv [B, T, C] (C = 2*Hk*dk + Hv*dv), conv_weight [C, 1, 4], a / b [B, T, Hv],
 //   A_log / dt_bias [Hv]  ->  q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv]
@@ -65,11 +66,11 @@ PreGdrFullFusionGrads pre_gdr_full_fusion_backward(
 
 // The unfused ATen composition of the same path (autograd through ATen ops), op for op
 // what models/qwen/layers.cc GatedDeltaNetImpl::forward runs for pre_gdr_fusion none
-// (fused_gate false) and gate (true) with GDR_CAUSAL_CONV=aten, followed by the L2 norm and
-// head repeat the model leaves to the core (gdr::chunk_prep_qk; by default the model runs
-// the conv + SiLU as ops/causal_conv1d/causal_conv1d_op.h's kernel: the same roundings, its own FP32 tap
-// order). NOTE: keep the two in sync. Any device; FP64 inputs stay FP64. The reference of
-// the tests and the benchmark.
+// (fused_gate false) and gate (true) with the policy's causal_conv = aten, followed by the
+// L2 norm and head repeat the model leaves to the core (gdr::chunk_prep_qk; by default the
+// model runs the conv + SiLU as ops/causal_conv1d/causal_conv1d_op.h's kernel: the same
+// roundings, its own FP32 tap order). NOTE: keep the two in sync. Any device; FP64 inputs
+// stay FP64. The reference of the tests and the benchmark.
 GdrInputs pre_gdr_full_fusion_composite(const at::Tensor& qkv, const at::Tensor& conv_weight,
                                         const at::Tensor& a, const at::Tensor& b,
                                         const at::Tensor& A_log, const at::Tensor& dt_bias,

@@ -1,7 +1,7 @@
 // CUDA implementation of the full pre-GDR fusion op: argument checks, the current stream,
 // outputs and scratch from the caching allocator, the fused kernels
-// (kernels/pre_gdr_gate/pre_gdr_full_fusion.cu) and the existing gate op for g / beta. Registered for the
-// CUDA dispatch key; linked into CUDA binaries through //ops:cuda_ops.
+// (kernels/pre_gdr_gate/pre_gdr_full_fusion.cu) and the existing gate op for g / beta. Registered
+// for the CUDA dispatch key; linked into CUDA binaries through //ops:cuda_ops.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,8 +14,8 @@
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion.h"
 #include "kernels/pre_gdr_gate/pre_gdr_full_fusion_math.h"
 #include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
-#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "ops/pre_gdr_gate/pre_gdr_gate_internal.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 
 namespace gdr {
 namespace {

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "kernels/pre_gdr_gate/pre_gdr_gate_math.h"
-#include "ops/policy/determinism.h"
 #include "ops/policy/autograd_policy.h"
+#include "ops/policy/determinism.h"
 #include "ops/pre_gdr_gate/pre_gdr_gate_internal.h"
 
 namespace gdr {

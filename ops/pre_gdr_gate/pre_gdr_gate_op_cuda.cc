@@ -18,8 +18,8 @@
 
 #include "kernels/pre_gdr_gate/pre_gdr_gate.h"
 #include "ops/policy/determinism.h"
-#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "ops/pre_gdr_gate/pre_gdr_gate_internal.h"
+#include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 
 namespace gdr {
 namespace {
@@ -33,13 +33,13 @@ void check_launch(int error, const char* what) {
               " launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(error)));
 }
 
-// Note [Gate host path]: at the 0.8B shape the GPU work of a call is 2-5 us and the host
-// work around it (dispatcher, allocations, views, launches) is several times more, which
-// is what eager timings and the autograd engine see. So each call makes one allocation
-// for its large outputs (plus scratch) and carves the tensors out of it without the
-// dispatcher, returns per-head gradients written by a kernel in the parameter dtype (no
-// select views, no casts), and takes its tile from a per-shape cache
-// (Note [Gate per-shape tile cache]).
+// Note [Gate host path]: at the 0.8B shape the GPU work of a call is a few microseconds and
+// the host work around it (dispatcher, allocations, views, launches) is several times more
+// (measured: docs/benchmarks.md, Pre-GDR gate), which is what eager timings and the
+// autograd engine see. So each call makes one allocation for its large outputs (plus
+// scratch) and carves the tensors out of it without the dispatcher, returns per-head
+// gradients written by a kernel in the parameter dtype (no select views, no casts), and
+// takes its tile from a per-shape cache (Note [Gate per-shape tile cache]).
 constexpr int64_t kCarveAlign = 256;  // bytes; keeps every carved tensor 16-byte aligned
 
 int64_t align_up(int64_t bytes) { return (bytes + kCarveAlign - 1) / kCarveAlign * kCarveAlign; }
@@ -239,9 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
         variant == GateOrderedVariant::kAuto &&
         kernels::gate_single_pass_preferred(selection.config, launch, args.shape,
                                             /*capturing=*/false);
-    const bool capturing =
-        (variant == GateOrderedVariant::kSinglePass || eager_candidate) && stream_is_capturing(stream);
-    const bool wanted = variant == GateOrderedVariant::kSinglePass || (eager_candidate && !capturing);
+    const bool capturing = (variant == GateOrderedVariant::kSinglePass || eager_candidate) &&
+                           stream_is_capturing(stream);
+    const bool wanted =
+        variant == GateOrderedVariant::kSinglePass || (eager_candidate && !capturing);
     const std::string unsupported =
         wanted ? kernels::gate_single_pass_unsupported_reason(selection.config, launch) : "";
     TORCH_CHECK(variant != GateOrderedVariant::kSinglePass || unsupported.empty(),

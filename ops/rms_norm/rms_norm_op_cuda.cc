@@ -15,8 +15,8 @@
 
 #include "kernels/rms_norm/rms_norm.h"
 #include "ops/policy/execution_policy.h"
-#include "ops/rms_norm/rms_norm_op.h"
 #include "ops/rms_norm/rms_norm_internal.h"
+#include "ops/rms_norm/rms_norm_op.h"
 
 namespace gdr {
 namespace {

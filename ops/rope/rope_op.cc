@@ -1,6 +1,7 @@
-// The partial RoPE ops: the composite (moved from models/qwen/layers.cc), the tables,
-// schema, argument checks, the CPU implementation, autograd and the GDR_ROPE switch. The
-// CUDA implementation registers itself from rope_cuda.cc (linked only into CUDA binaries).
+// The partial RoPE ops: the composite (the model's reference numerics), the tables,
+// schema, argument checks, the CPU implementation, autograd and the execution policy's
+// rope switch. The CUDA implementation registers itself from rope_cuda.cc (linked only
+// into CUDA binaries).
 #include "ops/rope/rope_op.h"
 
 #include <ATen/TensorOperators.h>
@@ -166,11 +167,11 @@ at::Tensor rope_backward(const at::Tensor& grad_y, const at::Tensor& cos, const 
   return backward_op().call(grad_y, cos, sin);
 }
 
-
 at::Tensor partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
   const at::ScalarType t = x.scalar_type();
   const bool fusable = x.is_cuda() && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
-  if (fusable && current_execution_policy().rope == RopeImpl::kFused) return partial_rope_fused(x, rotary_dim, theta);
+  if (fusable && current_execution_policy().rope == RopeImpl::kFused)
+    return partial_rope_fused(x, rotary_dim, theta);
   return partial_rope_composite(x, rotary_dim, theta);
 }
 

@@ -12,7 +12,8 @@
 // transposed [B, T, H, hd] views stay in the layout flash attention reads). CPU: the same
 // formulas through ATen ops. Elementwise, deterministic.
 //
-// The model's switch: GDR_ROPE=fused|composite (read at every call, default fused).
+// The model's switch: the execution policy's rope = fused|composite (kernels.rope,
+// environment override GDR_ROPE; default fused).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,7 +36,6 @@ at::Tensor partial_rope_fused(const at::Tensor& x, int64_t rotary_dim, double th
 // The forward and backward ops alone (no autograd), with the tables given.
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rope_backward(const at::Tensor& grad_y, const at::Tensor& cos, const at::Tensor& sin);
-
 
 // The model's entry: the fused op for CUDA inputs of dtype Float, Half or BFloat16 when the
 // switch says fused, else the composite.

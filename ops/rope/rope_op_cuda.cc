@@ -9,8 +9,8 @@
 #include <torch/library.h>
 
 #include "kernels/rope/rope.h"
-#include "ops/rope/rope_op.h"
 #include "ops/rope/rope_internal.h"
+#include "ops/rope/rope_op.h"
 
 namespace gdr {
 namespace {

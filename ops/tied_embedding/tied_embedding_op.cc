@@ -1,12 +1,13 @@
 // The tied embedding ops: argument checks, the rows op's schema and CPU implementation (the
-// reference), the two autograd functions and the GDR_TIED_EMBEDDING switch. The CUDA
-// implementation of the rows op registers itself from tied_embedding_cuda.cc (linked only
-// into CUDA binaries).
+// reference), the two autograd functions and the execution policy's tied_embedding switch.
+// The CUDA implementation of the rows op registers itself from tied_embedding_cuda.cc
+// (linked only into CUDA binaries).
 //
 // Note [Tied embedding gradient]: with tied embeddings autograd gets two gradients for W,
 // the LM head's dW = dlogits^T @ hidden (a GEMM that writes all of [V, H]) and the
 // embedding's (EmbeddingBackward0: a zero-filled dense [V, H] plus a scatter of N rows),
-// and adds them: three [V, H] passes (2.3 ms per 0.8B step on an H200) for N rows of work.
+// and adds them: three [V, H] passes for N rows of work (their cost in the 0.8B step:
+// docs/benchmarks.md, Tied embedding gradient).
 // The pair here gives W one gradient instead:
 //   - the LM head's backward computes d_hidden and dW with MmBackward's exact mm calls,
 //     returns d_hidden, and hands dW to the shared state instead of returning it (W's slot
@@ -375,12 +376,12 @@ void tied_embedding_add_rows_(at::Tensor& grad_weight, const at::Tensor& ids,
   add_rows_op().call(grad_weight, ids, rows);
 }
 
-
 bool tied_embedding_fusable(const at::Tensor& weight) {
   const at::ScalarType s = weight.scalar_type();
   const bool dtype_ok = s == at::kFloat || s == at::kHalf || s == at::kBFloat16 ||
                         (s == at::kDouble && !weight.is_cuda());
-  return dtype_ok && weight.dim() == 2 && current_execution_policy().tied_embedding == TiedEmbeddingImpl::kFused;
+  return dtype_ok && weight.dim() == 2 &&
+         current_execution_policy().tied_embedding == TiedEmbeddingImpl::kFused;
 }
 
 }  // namespace gdr

@@ -9,15 +9,17 @@
 // returned to autograd but handed to the lookup's backward through `state`, which adds
 // each id's token rows of d_h into it in place (tied_embedding_add_rows_) and returns it as
 // W's gradient: no dense [V, H] embedding gradient, no zero fill, no [V, H] add (Note
-// [Tied embedding gradient] in ops/tied_embedding/tied_embedding_op.cc). d_hidden is MmBackward's bits.
+// [Tied embedding gradient] in ops/tied_embedding/tied_embedding_op.cc). d_hidden is MmBackward's
+// bits.
 //
 // One state per forward: make_tied_embedding_state(), passed to both ops of that forward.
 // Dtypes: W and hidden one of Float, Half, BFloat16 (and Double on the CPU); ids int64.
-// Deterministic by construction (kernels/tied_embedding/embedding_rows.h); no host sync, no allocation
-// outside the current stream, so forward + backward can be captured into a CUDA graph.
+// Deterministic by construction (kernels/tied_embedding/embedding_rows.h); no host sync, no
+// allocation outside the current stream, so forward + backward can be captured into a CUDA graph.
 //
-// The model's switch: GDR_TIED_EMBEDDING=fused|composite (read at every call, default
-// fused) picks this pair or torch::nn::Embedding + matmul (models/qwen/model.cc).
+// The model's switch: the execution policy's tied_embedding = fused|composite
+// (kernels.tied_embedding, environment override GDR_TIED_EMBEDDING; default fused) picks
+// this pair or torch::nn::Embedding + matmul (models/qwen/model.cc).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,7 +50,6 @@ at::Tensor tied_lm_head(const at::Tensor& hidden, const at::Tensor& weight,
 // Ids outside [0, V) are skipped. The CPU implementation is the reference.
 void tied_embedding_add_rows_(at::Tensor& grad_weight, const at::Tensor& ids,
                               const at::Tensor& rows);
-
 
 // Whether the pair can take W: the switch says fused and W is Float / Half / BFloat16 (or
 // Double on the CPU).

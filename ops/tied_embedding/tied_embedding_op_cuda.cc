@@ -1,14 +1,15 @@
-// CUDA implementation of tied_embedding_add_rows_ (ops/tied_embedding/tied_embedding_op.h): argument checks
-// and one launch of kernels/tied_embedding/embedding_rows.cu on the current stream; allocates nothing.
-// Registered for the CUDA dispatch key; linked into CUDA binaries only (via :cuda_ops).
+// CUDA implementation of tied_embedding_add_rows_ (ops/tied_embedding/tied_embedding_op.h):
+// argument checks and one launch of kernels/tied_embedding/embedding_rows.cu on the current stream;
+// allocates nothing. Registered for the CUDA dispatch key; linked into CUDA binaries only (via
+// :cuda_ops).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include "kernels/tied_embedding/embedding_rows.h"
-#include "ops/tied_embedding/tied_embedding_op.h"
 #include "ops/tied_embedding/tied_embedding_internal.h"
+#include "ops/tied_embedding/tied_embedding_op.h"
 
 namespace gdr {
 namespace {

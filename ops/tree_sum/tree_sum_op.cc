@@ -1,5 +1,6 @@
-// The pairwise tree sum op (ops/tree_sum/tree_sum_op.h): schema, checks, the reference evaluation (CPU
-// implementation). The CUDA implementation registers itself from ops/tree_sum/tree_sum_op_cuda.cc.
+// The pairwise tree sum op (ops/tree_sum/tree_sum_op.h): schema, checks, the reference evaluation
+// (CPU implementation). The CUDA implementation registers itself from
+// ops/tree_sum/tree_sum_op_cuda.cc.
 #include "ops/tree_sum/tree_sum_op.h"
 
 #include <ATen/ops/add.h>
