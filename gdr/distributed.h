@@ -166,7 +166,7 @@ class OverlappedReduction {
 };
 
 // Pairwise summation of lists of tensors (e.g. one gradient per parameter), the fixed tree of
-// Note [Gradient reduction tree]: leaves are pushed in order; whenever the two newest
+// See Note [Gradient reduction tree]: leaves are pushed in order; whenever the two newest
 // partial sums cover equally many leaves they are merged (older += newer), as in a binary
 // counter; finish() merges what is left, newest into older. For 2^j leaves this is the
 // complete binary tree. Every merge is one FP32 add (16-bit leaves widen exactly). The

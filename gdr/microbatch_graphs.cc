@@ -18,7 +18,7 @@ namespace {
 // docs/benchmarks.md, Data parallelism on two H200s).
 constexpr int64_t kRangeElements = int64_t{64} << 20;
 
-// Note [Graph marks]: counts down a range's parameters as autograd stores their gradients
+// See Note [Graph marks]: counts down a range's parameters as autograd stores their gradients
 // and sets the range's mark when the last one is stored (a hook after the accumulation, so
 // the mark follows every kernel that wrote them, a layout-fixing copy included).
 class MarkWhenRangeStored final : public torch::autograd::PostAccumulateGradHook {
@@ -37,7 +37,7 @@ class MarkWhenRangeStored final : public torch::autograd::PostAccumulateGradHook
 
 constexpr size_t kNoMark = static_cast<size_t>(-1);
 
-// Note [Graph marks]: splits the parameters into g's ranges of about kRangeElements
+// See Note [Graph marks]: splits the parameters into g's ranges of about kRangeElements
 // gradient elements, last parameter first, and hooks each range's parameters so that the
 // range's mark is set (into g.range_marks) once backward has stored all their gradients.
 // `pending` holds the hooks' counts: keep it until the backward has run.

@@ -81,7 +81,7 @@ struct MicrobatchGraph {
   // grad.to(kFloat) leaves). Widening outside the graph, per tensor, would take ~300
   // launches per replay and fill the stream's launch queue.
   std::vector<at::Tensor> leaf;
-  // Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
+  // See Note [Graph marks]: the parameters in ranges of about kRangeElements gradient elements,
   // last parameter first (each range's indices descending), and for each range the mark
   // after which its gradients are final in a replay. Empty when captured without marks
   // (train.overlap_grad_reduction off, or one microbatch per step).

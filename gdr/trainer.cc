@@ -526,7 +526,7 @@ absl::Status Trainer::Impl::run_microbatches(const at::Tensor& step_ids, const M
   return absl::OkStatus();
 }
 
-// Note [Microbatch graphs]: captures every position at the first graphed microbatch, then
+// See Note [Microbatch graphs]: captures every position at the first graphed microbatch, then
 // replays microbatch k's graph and hands its gradients to the tree.
 absl::Status Trainer::Impl::replay_microbatch(size_t k, const at::Tensor& ids,
                                               const MicrobatchPlan& plan, StepStats& stats,

@@ -538,10 +538,10 @@ __global__ void __launch_bounds__(1024)
                                                        row_sums);
   }
   __syncthreads();
-  // Note [Gate reduce launched early]: the ordered second pass may be scheduled now;
+  // See Note [Gate reduce launched early]: the ordered second pass may be scheduled now;
   // it waits for this grid's completion before it reads a partial row.
   if constexpr (kMode == GateReduction::kOrdered) allow_dependent_launch();
-  // Note [Gate backward virtual rows]: the virtual-row sums in virtual-row order.
+  // See Note [Gate backward virtual rows]: the virtual-row sums in virtual-row order.
   const int head_lane = threadIdx.x;
   const Index h = static_cast<Index>(blockIdx.y) * block_h + head_lane;
   if (head_lane < block_h && h < heads) {
@@ -820,7 +820,7 @@ int launch_pre_gdr_gate_reduce_partials(const float* partials, int64_t programs_
   if (heads == 0) return cudaSuccess;
   const dim3 grid(
       static_cast<unsigned>((2 * heads + kReduceSlotsPerBlock - 1) / kReduceSlotsPerBlock));
-  // Note [Gate reduce launched early]: programmatic serialisation where the device has it.
+  // See Note [Gate reduce launched early]: programmatic serialisation where the device has it.
   cudaLaunchAttribute early_launch;
   early_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   early_launch.val.programmaticStreamSerializationAllowed = 1;

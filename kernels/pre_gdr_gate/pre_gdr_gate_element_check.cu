@@ -1,4 +1,4 @@
-// Exhaustive check of Note [Gate backward fast paths]: a grid-stride pass over every 32-bit
+// Exhaustive check of See Note [Gate backward fast paths]: a grid-stride pass over every 32-bit
 // pattern, each thread counting its checks and mismatches; per-warp totals are written
 // once each (no atomics) and summed on the host.
 #include <cuda_runtime.h>

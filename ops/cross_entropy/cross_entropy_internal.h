@@ -12,7 +12,7 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_loss, const at
                            const at::Tensor& labels, const at::Tensor& lse,
                            const at::Tensor& count);
 
-// Note [Cross-entropy target check]: `targets` are labels[:, 1:] as a CPU int64 tensor
+// See Note [Cross-entropy target check]: `targets` are labels[:, 1:] as a CPU int64 tensor
 // [B, T - 1]; the first one outside [0, vocab) that is not ignore_index is an error
 // naming its value, its position in labels and V.
 void check_targets(const char* op, const at::Tensor& targets, int64_t vocab, int64_t ignore_index);

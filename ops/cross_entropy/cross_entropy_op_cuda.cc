@@ -72,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& lo
   check_inputs(kOp, logits, labels);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const int64_t B = logits.size(0), T = logits.size(1);
-  // Note [Cross-entropy target check]: no host check here (it would sync every call).
+  // See Note [Cross-entropy target check]: no host check here (it would sync every call).
   const at::Tensor x = logits_rows(logits);
   const at::Tensor y = labels_long(labels);
   const auto f32 = logits.options().dtype(at::kFloat);

@@ -323,7 +323,7 @@ TEST(ProcessGroupTest, ManyBucketsInFlightGiveTheSameSums) {
   }
 }
 
-// Note [Two-rank all-reduce]: the one all-reduce gives the all-gather tree's bits, for
+// See Note [Two-rank all-reduce]: the one all-reduce gives the all-gather tree's bits, for
 // values where the order of an addition chain would show (1e8 + 1, signed zeros, huge and
 // tiny), whether the gradients tile one flat buffer (as PairwiseSum::add_kept leaves
 // them) or not, and the result lands in the caller's tensors.
@@ -398,7 +398,7 @@ TEST(ProcessGroupTest, RangeAllReduceEqualsAllReduceSumInPlace) {
   EXPECT_TRUE(at::equal(ranged[0][0], ranged[1][0]));
 }
 
-// Note [Overlapped gradient reduction]: ranks set their tensors in different orders (here
+// See Note [Overlapped gradient reduction]: ranks set their tensors in different orders (here
 // one ascending, one descending, small buckets so several are in flight); every tensor
 // still comes back as the rank-order tree sum, the same as all_reduce_sum's.
 TEST(ProcessGroupTest, OverlappedReductionEqualsAllReduceSumWhateverTheSetOrder) {

@@ -58,7 +58,7 @@ TEST_P(TrainerGpuTest, TwoRunsOfThreeStepsAreByteIdentical) {
   EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
 }
 
-// Note [Microbatch graphs]: replaying the captured microbatches gives the bits of running
+// See Note [Microbatch graphs]: replaying the captured microbatches gives the bits of running
 // them eagerly. Step 1's first microbatch warms up eagerly; each position k mod 4 has a
 // graph of its own, captured at its first use and replayed at every later one. With 6
 // microbatches positions 4 and 5 replay graphs 0 and 1 again after the tree summed the

@@ -42,7 +42,7 @@ TEST(TrainerTest, TwoRunsOfThreeStepsAreByteIdentical) {
   EXPECT_EQ(fourth->graph_replays, 0);
 }
 
-// Note [Fused AdamW]: the fused update is the loop's formula on the same state; one step
+// See Note [Fused AdamW]: the fused update is the loop's formula on the same state; one step
 // from the same start differs only in FP32 rounding (later steps would also see the
 // different weights' gradients), and both count steps alike.
 TEST(TrainerTest, FusedAndLoopAdamWAgree) {

@@ -36,7 +36,7 @@ class DeterministicMode : public ::testing::Test {
   ExecutionPolicy policy_;
 };
 
-// Note [cuBLAS workspace]: the variable is not pinned (it slows cuBLAS down and libtorch's
+// See Note [cuBLAS workspace]: the variable is not pinned (it slows cuBLAS down and libtorch's
 // per-stream workspaces already make it reproducible).
 TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndLeavesTheCublasWorkspaceAlone) {
   ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
@@ -46,7 +46,7 @@ TEST_F(DeterministicMode, TurnsOnTheGlobalSwitchAndLeavesTheCublasWorkspaceAlone
   EXPECT_TRUE(use_deterministic_mode());  // gdr's ops follow the global switch
 }
 
-// Note [Uninitialized-memory fill]: off by default, on when asked.
+// See Note [Uninitialized-memory fill]: off by default, on when asked.
 TEST_F(DeterministicMode, TurnsOffTheUninitializedMemoryFillUnlessAskedFor) {
   ASSERT_TRUE(apply_deterministic_mode(policy_).ok());
   EXPECT_FALSE(at::globalContext().deterministicFillUninitializedMemory());

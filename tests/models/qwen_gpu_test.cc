@@ -111,7 +111,7 @@ TEST(QwenGpu, TinyConfigInDeterministicModeRerunsBitIdentically) {
   }
 }
 
-// Note [Residual add in the norm]: the fused add + norm gives the bits of the add followed
+// See Note [Residual add in the norm]: the fused add + norm gives the bits of the add followed
 // by the fused norm, so the whole model's loss and every gradient are the same bits with
 // GDR_ADD_RMS_NORM=composite (deterministic mode: every other kernel replays bit for bit).
 TEST(QwenGpu, ResidualAddInTheNormGivesTheComposedBits) {

@@ -214,7 +214,7 @@ TEST_F(CausalConvGpuTest, NoTokensGiveEmptyOutputsAndZeroWeightGradient) {
   }
 }
 
-// Note [Causal conv determinism]: 100 backward replays under load on other streams, bit
+// See Note [Causal conv determinism]: 100 backward replays under load on other streams, bit
 // for bit, at the model's shape.
 TEST_F(CausalConvGpuTest, BackwardIsBitwiseReproducibleUnderContention) {
   const Inputs in = make_inputs(2, 2048, 6144, 4, at::kBFloat16, 21);

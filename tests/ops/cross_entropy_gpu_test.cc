@@ -195,7 +195,7 @@ TEST(CrossEntropyGpuStreams, ForwardAndBackwardReplayFromACudaGraph) {
 using test_support::error_of;
 
 TEST(CrossEntropyGpuErrors, OutOfRangeTargetsPoisonOnlyTheirRowAndDeviceMismatchIsNamed) {
-  // Note [Cross-entropy target check]: no host sync on CUDA; a bad target (too large or
+  // See Note [Cross-entropy target check]: no host sync on CUDA; a bad target (too large or
   // negative and not ignore_index) is never read: the mean loss is NaN, that row's
   // gradient is NaN, and every other row keeps the bits of the run with good labels.
   const Problem p = make_problem(2, 40, 1000, at::kBFloat16, false, 7);
@@ -221,7 +221,7 @@ TEST(CrossEntropyGpuErrors, OutOfRangeTargetsPoisonOnlyTheirRowAndDeviceMismatch
             "on the CPU), but got Double on cuda:0");
 }
 
-// Note [Cross-entropy determinism]: 100 forward + backward replays under load on other
+// See Note [Cross-entropy determinism]: 100 forward + backward replays under load on other
 // streams, bit for bit, at the 0.8B model's shape.
 TEST(CrossEntropyGpuReplay, ForwardAndBackwardAreBitwiseReproducibleUnderContention) {
   const Problem p = make_problem(1, 2048, 248320, at::kBFloat16, false, 8);

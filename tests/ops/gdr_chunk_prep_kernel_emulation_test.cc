@@ -551,7 +551,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> random_in
   return {q, k, v, g, beta};
 }
 
-// Note [Gradients in the inputs' layout]: q, k, v as the consecutive column slices of one
+// See Note [Gradients in the inputs' layout]: q, k, v as the consecutive column slices of one
 // [B, T, 2 H dk + H dv] buffer (the model's split) get dq, dk, dv as the same slices of
 // one new buffer, with the bits of the contiguous inputs' gradients; other layouts
 // (contiguous inputs, or the slices in another order) keep separate contiguous gradients.

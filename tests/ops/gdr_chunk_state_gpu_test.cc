@@ -244,7 +244,7 @@ TEST(ChunkStatePassGpu, SideStreamGivesTheDefaultStreamBits) {
   }
 }
 
-// Note [State pass side stream]: the two GEMMs beside the scan give the bits of the same
+// See Note [State pass side stream]: the two GEMMs beside the scan give the bits of the same
 // GEMMs run after it, at the training shape (B = 1, H = 16, 32 chunks, where the scan and
 // the GEMMs share the SMs) and with several batches; 20 replays each way under load.
 TEST(ChunkStatePassGpu, GemmOverlapGivesTheInLineBitsUnderLoad) {

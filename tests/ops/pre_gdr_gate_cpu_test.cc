@@ -145,7 +145,7 @@ TEST_P(GateSelectionTest, PicksTheTileTheRulesSayAndSizesEverythingFromIt) {
   EXPECT_GE(launch.programs_h * tile.block_h, shape.heads);
   EXPECT_LT((launch.programs_h - 1) * tile.block_h, shape.heads);
   EXPECT_EQ(launch.rows * tile.block_h, tile.threads);
-  // Note [Gate backward virtual rows]: kGateVirtualRowsPerRow virtual rows per token row,
+  // See Note [Gate backward virtual rows]: kGateVirtualRowsPerRow virtual rows per token row,
   // which are exactly the vectorised pass's thread rows (kGateVirtualRowsPerRow heads
   // per thread), and two FP32 sums per virtual row and head in shared memory.
   EXPECT_EQ(launch.virtual_rows, kernels::kGateVirtualRowsPerRow * launch.rows);
@@ -280,7 +280,7 @@ TEST(GateSelection, Fp32ActivationsAimAtFewerLargerProgramsThanBf16) {
   EXPECT_EQ(fp32, (GateTile{256, 16, 256}));
 }
 
-// Note [Gate per-shape tile cache]: the CUDA op's hot-path selection.
+// See Note [Gate per-shape tile cache]: the CUDA op's hot-path selection.
 struct CachedSelectionProbe {
   int timer_factories = 0, timings = 0, dtype_keys = 0;
   bool can_time = true;

@@ -451,7 +451,7 @@ TEST_F(GateGpuTest, TwoPassOrderedBackwardReplays200TimesBitExactUnderContention
 }
 
 TEST_F(GateGpuTest, SinglePassAndTwoPassGiveTheSameBitsAndMatchTheComposite) {
-  // Note [Single-pass ordered reduction]: the last program sums in the second kernel's
+  // See Note [Single-pass ordered reduction]: the last program sums in the second kernel's
   // order, so the variants must agree bit for bit, for any head count (several 32-slot
   // groups at Hv = 65, 96, 200) and for partial-row counts that are and are not
   // multiples of the 32 virtual rows.

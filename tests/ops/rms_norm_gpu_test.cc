@@ -162,7 +162,7 @@ TEST(RmsNormGpuLayouts, ZeroRowsGiveEmptyOutputsAndZeroWeightGradient) {
 
 using test_support::bitwise_equal;
 
-// Note [RMSNorm determinism]: 100 backward replays under load on other streams, bit for
+// See Note [RMSNorm determinism]: 100 backward replays under load on other streams, bit for
 // bit, at the model's shapes (hidden 1024 over 8192 tokens; GDN norm over dv = 128).
 TEST(RmsNormGpuReplay, BackwardIsBitwiseReproducibleUnderContention) {
   const Inputs zc = make_inputs({8192, 1024}, at::kBFloat16, at::kBFloat16, false, 21);
@@ -323,7 +323,7 @@ TEST(RmsNormGpuVariants, ResidentKernelsMatchTheStreamingKernelsBitForBit) {
   }
 }
 
-// Note [RMSNorm with the residual add]: the fused add + norm against the add followed by
+// See Note [RMSNorm with the residual add]: the fused add + norm against the add followed by
 // the fused norm (autograd adding the sum's two gradients), bit for bit: outputs, the sum,
 // and the gradients of x, residual and weight, with and without a gradient on the sum,
 // for the register-resident kernels (16-byte rows: model shape, 4-chunk and partial-chunk

@@ -332,7 +332,7 @@ void run_case(const Case& c) {
   }
 }
 
-// Note [RMSNorm with the residual add]: the streaming kernels with a residual operand
+// See Note [RMSNorm with the residual add]: the streaming kernels with a residual operand
 // against the plain kernels run on ATen's sum, and ATen's add of their dx and the stream
 // gradient (the composite's roundings); then every register-resident variant against the
 // streaming residual kernels, bit for bit.
