@@ -1,5 +1,6 @@
 #include "gdr/data.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,16 +19,19 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-absl::StatusOr<std::vector<int64_t>> read_tokens(const DataConfig& config) {
-  if (config.source == DataSource::kEmbedded) {
-    absl::StatusOr<std::string> text = io::read_file(config.path);
+// The token stream of `path` (embedded: a text file, one token per byte) or `prefix`
+// (indexed: a Megatron dataset, its sequences in file order).
+absl::StatusOr<std::vector<int64_t>> read_tokens(DataSource source, const std::string& path,
+                                                 const std::string& prefix) {
+  if (source == DataSource::kEmbedded) {
+    absl::StatusOr<std::string> text = io::read_file(path);
     if (!text.ok()) return text.status();
     std::vector<int64_t> tokens;
     tokens.reserve(text->size());
     for (unsigned char c : *text) tokens.push_back(c);
     return tokens;
   }
-  absl::StatusOr<io::IndexedDataset> dataset = io::IndexedDataset::open(config.prefix);
+  absl::StatusOr<io::IndexedDataset> dataset = io::IndexedDataset::open(prefix);
   if (!dataset.ok()) return dataset.status();
   std::vector<int64_t> tokens;
   tokens.reserve(dataset->num_tokens());
@@ -61,15 +65,78 @@ absl::StatusOr<TokenWindows> TokenWindows::from_tokens(std::vector<int64_t> toke
   return TokenWindows(std::move(tokens), seq_len, seed);
 }
 
-absl::StatusOr<TokenWindows> TokenWindows::open(const DataConfig& config, uint64_t seed) {
-  absl::StatusOr<std::vector<int64_t>> tokens = read_tokens(config);
-  if (!tokens.ok()) return tokens.status();
-  absl::StatusOr<TokenWindows> windows = from_tokens(std::move(*tokens), config.seq_len, seed);
+namespace {
+
+// Windows over `tokens`, an error naming `name` when there is not one window.
+absl::StatusOr<TokenWindows> windows_named(const std::string& name, std::vector<int64_t> tokens,
+                                           int64_t seq_len, uint64_t seed) {
+  absl::StatusOr<TokenWindows> windows =
+      TokenWindows::from_tokens(std::move(tokens), seq_len, seed);
   if (!windows.ok()) {
-    const std::string& name = config.source == DataSource::kEmbedded ? config.path : config.prefix;
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", windows.status().message()));
   }
   return windows;
+}
+
+}  // namespace
+
+absl::StatusOr<TokenWindows> TokenWindows::open(const DataConfig& config, uint64_t seed) {
+  absl::StatusOr<DataSets> sets = open_data_sets(config, seed);
+  if (!sets.ok()) return sets.status();
+  return std::move(sets->train);
+}
+
+absl::StatusOr<DataSets> open_data_sets(const DataConfig& config, uint64_t seed) {
+  const bool embedded = config.source == DataSource::kEmbedded;
+  const std::string& name = embedded ? config.path : config.prefix;
+  absl::StatusOr<std::vector<int64_t>> tokens =
+      read_tokens(config.source, config.path, config.prefix);
+  if (!tokens.ok()) return tokens.status();
+  std::optional<TokenWindows> valid;
+  if (config.valid_fraction > 0) {
+    // Note [Held-out validation]: the last windows of the stream. The boundary token is
+    // shared (the last training target is the first validation input), so no validation
+    // target is ever a training target.
+    const int64_t windows = (static_cast<int64_t>(tokens->size()) - 1) / config.seq_len;
+    const int64_t held_out =
+        static_cast<int64_t>(static_cast<double>(windows) * config.valid_fraction);
+    if (held_out < 1 || held_out >= windows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": data.valid_fraction ", config.valid_fraction, " of ", windows,
+                       " windows holds out ", held_out,
+                       "; expected at least one window for validation and "
+                       "one for training"));
+    }
+    const int64_t cut = (windows - held_out) * config.seq_len;
+    std::vector<int64_t> tail(tokens->begin() + cut, tokens->end());
+    tokens->resize(static_cast<size_t>(cut + 1));
+    absl::StatusOr<TokenWindows> held = windows_named(name, std::move(tail), config.seq_len, 0);
+    if (!held.ok()) return held.status();
+    valid.emplace(std::move(*held));
+  } else if (!config.valid_path.empty() || !config.valid_prefix.empty()) {
+    const std::string& valid_name = embedded ? config.valid_path : config.valid_prefix;
+    absl::StatusOr<std::vector<int64_t>> valid_tokens =
+        read_tokens(config.source, config.valid_path, config.valid_prefix);
+    if (!valid_tokens.ok()) return valid_tokens.status();
+    absl::StatusOr<TokenWindows> held =
+        windows_named(valid_name, std::move(*valid_tokens), config.seq_len, 0);
+    if (!held.ok()) return held.status();
+    valid.emplace(std::move(*held));
+  }
+  absl::StatusOr<TokenWindows> train =
+      windows_named(name, std::move(*tokens), config.seq_len, seed);
+  if (!train.ok()) return train.status();
+  return DataSets{std::move(*train), std::move(valid)};
+}
+
+std::vector<int64_t> TokenWindows::windows_in_order(int64_t first, int64_t count) const {
+  std::vector<int64_t> rows;
+  rows.reserve(static_cast<size_t>(count * window_length()));
+  for (int64_t w = first; w < first + count; ++w) {
+    const auto begin = tokens_.begin() + w * seq_len_;
+    rows.insert(rows.end(), begin, begin + window_length());
+  }
+  return rows;
 }
 
 std::vector<int64_t> TokenWindows::epoch_order(int64_t epoch) const {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,7 +41,8 @@ struct DataPosition {
 
 class TokenWindows {
  public:
-  // Reads the source named by `config`. InvalidArgument when it holds fewer than
+  // Reads the source named by `config` (its training windows: without the held-out tail
+  // when data.valid_fraction > 0, see open_data_sets). InvalidArgument when it holds fewer than
   // seq_len + 1 tokens, or (embedded) a token outside 0..255 cannot occur; errors of the
   // readers (NotFound, DataLoss) pass through with the file named.
   static absl::StatusOr<TokenWindows> open(const DataConfig& config, uint64_t seed);
@@ -55,6 +57,11 @@ class TokenWindows {
 
   // The window order of `epoch` (a permutation of 0 .. num_windows() - 1).
   std::vector<int64_t> epoch_order(int64_t epoch) const;
+
+  // Windows first .. first + count - 1 in index order (no shuffle, the position unchanged),
+  // row-major [count, seq_len + 1]: the evaluation batches. Requires
+  // 0 <= first <= first + count <= num_windows().
+  std::vector<int64_t> windows_in_order(int64_t first, int64_t count) const;
 
   // `batch_size` windows, row-major [batch_size, seq_len + 1], and the position advanced.
   std::vector<int64_t> next_batch(int64_t batch_size);
@@ -75,5 +82,18 @@ class TokenWindows {
   int64_t cached_epoch_ = -1;
   std::vector<int64_t> cached_order_;
 };
+
+// The training windows and, when the config names one, the validation windows:
+//   data.valid_fraction > 0   the last floor(windows * fraction) windows of the stream are
+//                             held out (Note [Held-out validation] in data.cc): training
+//                             never visits them, and no validation target is a training one;
+//   data.valid_path / valid_prefix   a second text file / indexed dataset of the same kind.
+// The validation windows are read in index order (TokenWindows::windows_in_order), never
+// shuffled, so every evaluation of a run sees the same tokens.
+struct DataSets {
+  TokenWindows train;
+  std::optional<TokenWindows> valid;
+};
+absl::StatusOr<DataSets> open_data_sets(const DataConfig& config, uint64_t seed);
 
 }  // namespace gdr

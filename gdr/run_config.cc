@@ -137,6 +137,12 @@ const std::vector<Field>& run_fields() {
         int_field("data", "seq_len", [](RunConfig& c) -> int64_t& { return c.data.seq_len; }),
         int_field("data", "micro_batch_size",
                   [](RunConfig& c) -> int64_t& { return c.data.micro_batch_size; }),
+        double_field("data", "valid_fraction",
+                     [](RunConfig& c) -> double& { return c.data.valid_fraction; }),
+        string_field("data", "valid_path",
+                     [](RunConfig& c) -> std::string& { return c.data.valid_path; }),
+        string_field("data", "valid_prefix",
+                     [](RunConfig& c) -> std::string& { return c.data.valid_prefix; }),
         choice_field(
             "optimizer", "impl", {"fused", "loop"},
             [](RunConfig& c, size_t i) {
@@ -206,6 +212,10 @@ const std::vector<Field>& run_fields() {
             }),
         int_field("train", "num_threads",
                   [](RunConfig& c) -> int64_t& { return c.train.num_threads; }),
+        int_field("train", "eval_every",
+                  [](RunConfig& c) -> int64_t& { return c.train.eval_every; }),
+        int_field("train", "eval_batches",
+                  [](RunConfig& c) -> int64_t& { return c.train.eval_batches; }),
         choice_field(
             "train", "overlap_grad_reduction", {"false", "true"},
             [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
@@ -237,6 +247,38 @@ bool is_section(absl::string_view name) {
   return false;
 }
 
+// The validation set: at most one source, of the training data's kind, and one when
+// evaluation is asked for.
+absl::Status validate_validation_set(const RunConfig& c, const std::string& file) {
+  const DataConfig& d = c.data;
+  if (!(d.valid_fraction >= 0 && d.valid_fraction <= 0.5)) {
+    return key_error(file, "data.valid_fraction",
+                     absl::StrCat("expected a number in [0, 0.5] but got ", d.valid_fraction));
+  }
+  const int sources = (d.valid_fraction > 0 ? 1 : 0) + (d.valid_path.empty() ? 0 : 1) +
+                      (d.valid_prefix.empty() ? 0 : 1);
+  if (sources > 1) {
+    return key_error(file, "data.valid_fraction",
+                     "set one of data.valid_fraction, data.valid_path and data.valid_prefix");
+  }
+  if (!d.valid_path.empty() && d.source != DataSource::kEmbedded) {
+    return key_error(
+        file, "data.valid_path",
+        "a text file for data.source embedded; with indexed data use data.valid_prefix");
+  }
+  if (!d.valid_prefix.empty() && d.source != DataSource::kIndexed) {
+    return key_error(file, "data.valid_prefix",
+                     "an indexed dataset for data.source indexed; with embedded data use "
+                     "data.valid_path");
+  }
+  if (c.train.eval_every > 0 && sources == 0) {
+    return key_error(file, "train.eval_every",
+                     "evaluation needs a validation set: set data.valid_fraction, data.valid_path "
+                     "or data.valid_prefix");
+  }
+  return absl::OkStatus();
+}
+
 // Range checks that the types alone do not give.
 absl::Status validate(const RunConfig& c, const std::string& file) {
   auto positive = [&](int64_t v, const char* key) {
@@ -257,6 +299,8 @@ absl::Status validate(const RunConfig& c, const std::string& file) {
       non_negative(c.train.num_threads, "train.num_threads"),
       non_negative(c.schedule.warmup_steps, "schedule.warmup_steps"),
       non_negative(c.schedule.total_steps, "schedule.total_steps"),
+      non_negative(c.train.eval_every, "train.eval_every"),
+      positive(c.train.eval_batches, "train.eval_batches"),
   };
   for (const absl::Status& s : checks) {
     if (!s.ok()) return s;
@@ -289,7 +333,7 @@ absl::Status validate(const RunConfig& c, const std::string& file) {
   if (c.data.source == DataSource::kEmbedded && c.data.path.empty()) {
     return key_error(file, "data.path", "required when data.source is embedded");
   }
-  return absl::OkStatus();
+  return validate_validation_set(c, file);
 }
 
 // Runs the model loader on `root` when overrides changed the model section: it reads files
@@ -332,6 +376,8 @@ bool may_change_on_resume(absl::string_view dotted) {
       "train.on_nonfinite",
       "train.overlap_grad_reduction",
       "train.cuda_graphs",
+      "train.eval_every",
+      "train.eval_batches",
       "schedule.total_steps"};  // compared by its effective value
   for (absl::string_view k : kFree) {
     if (k == dotted) return true;
@@ -391,7 +437,13 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
   config.config_text = YAML::Dump(root);
   if (!root["model"]) return key_error(path, "model", "required section is missing");
   for (const auto& section : root) {
-    const std::string name = section.first.as<std::string>();
+    const std::optional<std::string> name_text = io::yaml_key_text(section.first);
+    if (!name_text.has_value()) {
+      return key_error(path, "<section>",
+                       absl::StrCat("expected a plain section name but got ",
+                                    describe_yaml_node(section.first)));
+    }
+    const std::string& name = *name_text;
     if (!is_section(name)) return key_error(path, name, "unknown section");
     if (name == "model") continue;
     if (!section.second.IsMap()) {
@@ -400,7 +452,13 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
           absl::StrCat("expected a mapping but got ", describe_yaml_node(section.second)));
     }
     for (const auto& item : section.second) {
-      const std::string key = item.first.as<std::string>();
+      const std::optional<std::string> key_text = io::yaml_key_text(item.first);
+      if (!key_text.has_value()) {
+        return key_error(
+            path, absl::StrCat(name, ".<key>"),
+            absl::StrCat("expected a plain key but got ", describe_yaml_node(item.first)));
+      }
+      const std::string& key = *key_text;
       const std::string dotted = absl::StrCat(name, ".", key);
       const Field* field = find_field(name, key);
       if (field == nullptr) return key_error(path, dotted, "unknown key");
@@ -463,8 +521,13 @@ absl::StatusOr<std::vector<std::string>> resume_config_differences(
     return absl::InvalidArgumentError(absl::StrCat(saved_source, ": ", e.what()));
   }
   std::set<std::string> model_keys;
-  for (const auto& item : saved_model) model_keys.insert(item.first.as<std::string>());
-  for (const auto& item : current_model) model_keys.insert(item.first.as<std::string>());
+  for (const YAML::Node* model : {&saved_model, &current_model}) {
+    for (const auto& item : *model) {
+      // Both texts passed load_run_config, whose model loader refuses keys that are not
+      // plain; one that still is not counts as a difference.
+      model_keys.insert(io::yaml_key_text(item.first).value_or("<key>"));
+    }
+  }
   for (const std::string& key : model_keys) {
     const YAML::Node a = saved_model[key], b = current_model[key];
     if (!a || !b || YAML::Dump(a) != YAML::Dump(b)) differing.push_back("model." + key);

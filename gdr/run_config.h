@@ -7,6 +7,8 @@
 //               path: text file for `embedded` (default data/corpus.txt, byte tokens 0..255)
 //               prefix: Megatron .bin/.idx prefix for `indexed`
 //               seq_len, micro_batch_size
+//               valid_fraction (0..0.5: the held-out tail of the stream), or valid_path /
+//               valid_prefix (a second text file / indexed dataset): the validation set
 //   optimizer:  impl: fused | loop (AdamW update, see OptimizerImpl), lr, betas: [b1, b2],
 //               eps, weight_decay, grad_clip (<= 0: no clipping)
 //   schedule:   warmup_steps, total_steps (0: = train.steps), min_lr_ratio (cosine floor)
@@ -18,6 +20,7 @@
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
 //               overlap_grad_reduction: true | false (sum / reduce during the last backward)
 //               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
+//               eval_every (0 = never), eval_batches: evaluation on the validation set
 //   kernels:    the execution policy's kernel choices, one key each (rms_norm: composite,
 //               attention: aten, pre_gdr_gate_tile: 128x16x256, ...; execution_policy_keys()
 //               in ops/policy/execution_policy.h, and README's switch table)
@@ -55,6 +58,11 @@ struct DataConfig {
   std::string prefix;
   int64_t seq_len = 64;
   int64_t micro_batch_size = 4;
+  // Validation set (one of these, or none; see open_data_sets in gdr/data.h): a held-out
+  // fraction of the training windows, or a second source of the same kind.
+  double valid_fraction = 0;
+  std::string valid_path;    // embedded
+  std::string valid_prefix;  // indexed
 };
 
 // How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h:
@@ -104,6 +112,11 @@ struct TrainConfig {
   // graph and replay it (Note [Microbatch graphs] in gdr/microbatch_graphs.h); same bits
   // either way.
   bool cuda_graphs = true;
+  // Evaluation on the validation set every eval_every steps (0: never) and after the last
+  // step, over the first eval_batches micro_batch_size-window batches of it; it never
+  // changes what training computes.
+  int64_t eval_every = 0;
+  int64_t eval_batches = 8;
 };
 
 struct RunConfig {

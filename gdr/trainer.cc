@@ -203,6 +203,7 @@ struct Trainer::Impl {
   // trainer's thread while it builds the model and runs steps.
   ExecutionPolicy policy;
   std::vector<std::string> policy_from_environment;  // keys a GDR_* variable set
+  std::optional<TokenWindows> valid;  // the validation set, when the config names one
   QwenForCausalLM model{nullptr};
   at::Device device{at::kCPU};
   std::vector<std::string> names;
@@ -326,12 +327,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   }
   seed_cpu_rng(static_cast<uint64_t>(config.train.seed));
   if (config.train.num_threads > 0) at::set_num_threads(static_cast<int>(config.train.num_threads));
-  absl::StatusOr<TokenWindows> data =
-      TokenWindows::open(config.data, static_cast<uint64_t>(config.train.seed));
+  absl::StatusOr<DataSets> data =
+      open_data_sets(config.data, static_cast<uint64_t>(config.train.seed));
   if (!data.ok()) return data.status();
 
-  auto impl = std::unique_ptr<Impl>(
-      new Impl{config, std::move(*data), *policy, std::move(policy_from_environment)});
+  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(data->train), *policy,
+                                             std::move(policy_from_environment),
+                                             std::move(data->valid)});
   impl->device = device;
   impl->group = std::move(group);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
@@ -974,6 +976,21 @@ absl::Status Trainer::run(std::ostream& log) {
     if (!snapshot_dir.empty()) {
       if (absl::Status s = write_snapshot(snapshot_dir); !s.ok()) return s;
     }
+    const int64_t every = tc.eval_every;
+    if (every > 0 && (stats->step % every == 0 || stats->step == tc.steps)) {
+      absl::StatusOr<EvalStats> eval = evaluate();
+      if (!eval.ok()) return eval.status();
+      if (rank0) log << format_eval_line(*eval) << std::endl;
+      if (metrics.is_open()) {
+        nlohmann::ordered_json line = {{"step", eval->step},
+                                       {"eval_loss", eval->loss},
+                                       {"eval_perplexity", eval->perplexity},
+                                       {"eval_batches", eval->batches},
+                                       {"eval_tokens", eval->tokens},
+                                       {"eval_time_s", eval->time_s}};
+        metrics << line.dump() << "\n" << std::flush;
+      }
+    }
     const bool periodic = tc.checkpoint_every > 0 && stats->step % tc.checkpoint_every == 0;
     if (rank0 && !tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
       const std::string dir = checkpoint_step_dir(tc.checkpoint_dir, stats->step);
@@ -988,6 +1005,70 @@ absl::Status Trainer::run(std::ostream& log) {
     }
   }
   return absl::OkStatus();
+}
+
+// Note [Evaluation]: evaluation reads its own windows (DataSets::valid, in index order) and
+// runs the model's forward and loss under NoGradGuard, eagerly (never from the microbatch
+// graphs), on the trainer's thread with the run's execution policy, then syncs once for the
+// losses. It draws from no generator and leaves the training data position, the parameters,
+// gradients and optimizer state alone, so a run with evaluation computes the same bits as
+// one without (//tests/gdr:trainer_test compares them).
+absl::StatusOr<EvalStats> Trainer::evaluate() {
+  Impl& m = *impl_;
+  if (!m.valid.has_value()) {
+    return absl::FailedPreconditionError(
+        "evaluate: the run has no validation set (data.valid_fraction, data.valid_path or "
+        "data.valid_prefix)");
+  }
+  const ExecutionPolicyGuard policy(m.policy);
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t batch = m.config.data.micro_batch_size;
+  const int64_t batches = std::min(m.config.train.eval_batches, m.valid->num_windows() / batch);
+  if (batches < 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("evaluate: the validation set has ", m.valid->num_windows(),
+                     " windows, fewer than one batch of data.micro_batch_size = ", batch));
+  }
+  std::vector<std::vector<int64_t>> rows;
+  for (int64_t b = 0; b < batches; ++b) rows.push_back(m.valid->windows_in_order(b * batch, batch));
+  const int64_t vocab = m.config.model.vocab_size;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    for (size_t i = 0; i < rows[b].size(); ++i) {
+      if (rows[b][i] < 0 || rows[b][i] >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "evaluation: token id ", rows[b][i], " at position ", i, " of batch ", b + 1,
+            " is outside the vocabulary [0, ", vocab,
+            ") of model.vocab_size; check that the validation data was tokenized for this "
+            "model"));
+      }
+    }
+  }
+  try {
+    at::NoGradGuard no_grad;
+    const at::Tensor ids = m.upload(rows);
+    std::vector<at::Tensor> losses;
+    for (int64_t b = 0; b < batches; ++b) losses.push_back(m.model->loss(ids[b], ids[b]).detach());
+    // One sync, then the mean in a fixed order on the host.
+    const at::Tensor host = at::stack(losses).to(at::kDouble).cpu();
+    double sum = 0;
+    for (int64_t b = 0; b < batches; ++b) sum += host[b].item<double>();
+    EvalStats stats;
+    stats.step = m.step;
+    stats.batches = batches;
+    stats.tokens = batches * batch * m.valid->seq_len();
+    stats.loss = sum / static_cast<double>(batches);
+    stats.perplexity = std::exp(stats.loss);
+    stats.time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return stats;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("evaluation after step ", m.step, ": ", e.what_without_backtrace()));
+  }
+}
+
+std::string format_eval_line(const EvalStats& s) {
+  return absl::StrFormat("eval step %d loss %.4f perplexity %.2f (%d batches, %d tokens, %.2fs)",
+                         s.step, s.loss, s.perplexity, s.batches, s.tokens, s.time_s);
 }
 
 int64_t Trainer::step() const { return impl_->step; }

@@ -77,6 +77,19 @@ struct StepStats {
   bool skipped = false;
 };
 
+// One evaluation on the validation set (Trainer::evaluate).
+struct EvalStats {
+  int64_t step = 0;       // steps taken before it
+  double loss = 0;        // mean of the batches' mean next-token losses
+  double perplexity = 0;  // exp(loss)
+  int64_t batches = 0;    // min(train.eval_batches, whole batches in the validation set)
+  int64_t tokens = 0;     // predicted tokens
+  double time_s = 0;
+};
+
+// "eval step 10 loss 4.1234 perplexity 61.80 (8 batches, 2048 tokens, 0.05s)"
+std::string format_eval_line(const EvalStats& stats);
+
 // Linear warm-up to optimizer.lr over schedule.warmup_steps, then cosine decay to
 // lr * min_lr_ratio at schedule_total_steps(); constant at the floor afterwards.
 // `step` is 1-based.
@@ -131,6 +144,13 @@ class Trainer {
   // One optimizer step (see the header comment). Snapshot data of the step is kept for
   // write_snapshot.
   absl::StatusOr<StepStats> train_step();
+
+  // The mean loss over the first train.eval_batches batches of the validation set, in index
+  // order, without gradients. It changes nothing a step computes: no RNG draw, not the data
+  // position, not the parameters or the optimizer state (Note [Evaluation] in trainer.cc).
+  // Every rank evaluates every batch (the same result on each). FailedPrecondition without a
+  // validation set; run() calls it every train.eval_every steps and after the last one.
+  absl::StatusOr<EvalStats> evaluate();
 
   // Steps until train.steps, printing progress every log_every steps to `log`, appending
   // metrics, writing checkpoints (every checkpoint_every steps and after the last step)

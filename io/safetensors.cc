@@ -119,6 +119,10 @@ absl::StatusOr<ordered_json> parse_header_json(const std::string& path, const st
   } catch (const ordered_json::parse_error& e) {
     return malformed(path, absl::StrCat("header is not valid JSON (parse error at byte ", e.byte,
                                         " of the header)"));
+  } catch (const nlohmann::json::exception& e) {
+    // Not a syntax error but a value the parser refuses, e.g. a number that overflows a
+    // double (out_of_range 406): still the file's fault, never an escaping exception.
+    return malformed(path, absl::StrCat("header is not valid JSON (", e.what(), ")"));
   }
   if (!duplicate.empty()) {
     return malformed(path, duplicate_is_tensor

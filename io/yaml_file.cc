@@ -26,4 +26,9 @@ bool is_plain_yaml_scalar(const YAML::Node& node) {
   return node.IsDefined() && node.IsScalar() && node.Tag() != "!";
 }
 
+std::optional<std::string> yaml_key_text(const YAML::Node& key) {
+  if (!key.IsDefined() || !key.IsScalar()) return std::nullopt;
+  return key.Scalar();
+}
+
 }  // namespace gdr::io

@@ -23,6 +23,11 @@ std::string describe_yaml_node(const YAML::Node& node);
 // a string, not a number or a bool, even though yaml-cpp would convert it.
 bool is_plain_yaml_scalar(const YAML::Node& node);
 
+// A mapping key as text: the key's scalar, or nullopt when the key is a list or a mapping
+// (valid YAML and JSON-with-YAML-syntax, but never the name of a setting; `.as<std::string>()`
+// would throw). The loaders refuse such a key with a message naming the file.
+std::optional<std::string> yaml_key_text(const YAML::Node& key);
+
 // Reads a plain scalar as T (an integer, number or bool type) into `out`. Returns the
 // problem, "expected <expected> but got <node>" (describe_yaml_node), when the node is not
 // a plain scalar or does not convert; nullopt when it read. The config loaders put their

@@ -56,6 +56,13 @@ struct Source {
 
 using io::describe_yaml_node;
 
+// A key that is not a plain name (a list or a mapping), inside `parent` ("" at the top).
+absl::Status bad_key(const YAML::Node& key, const Source& source, absl::string_view parent) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      source.file, ": ", parent.empty() ? source.prefix : absl::StrCat(source.prefix, parent, "."),
+      "<key>: expected a plain key but got ", describe_yaml_node(key)));
+}
+
 template <typename T>
 absl::Status read_plain(const YAML::Node& node, absl::string_view key, const Source& source,
                         absl::string_view expected, T* out) {
@@ -235,7 +242,9 @@ absl::Status read_hf_extra(const std::string& key, const YAML::Node& node, const
     }
     const Source nested{source.file, absl::StrCat(source.prefix, key, ".")};
     for (const auto& item : node) {
-      const std::string sub = item.first.as<std::string>();
+      const std::optional<std::string> sub_key = io::yaml_key_text(item.first);
+      if (!sub_key.has_value()) return bad_key(item.first, source, key);
+      const std::string& sub = *sub_key;
       absl::Status s = absl::OkStatus();
       if (sub == "rope_theta") {
         s = read_double(item.second, sub, nested, &config.rope_theta);
@@ -271,7 +280,9 @@ absl::StatusOr<QwenConfig> parse_section(const YAML::Node& section, const Source
   std::set<std::string> seen;
   std::vector<std::pair<std::string, YAML::Node>> deferred;  // rope_parameters after flat keys
   for (const auto& item : section) {
-    const std::string key = item.first.as<std::string>();
+    const std::optional<std::string> key_text = io::yaml_key_text(item.first);
+    if (!key_text.has_value()) return bad_key(item.first, source, "");
+    const std::string& key = *key_text;
     if (const Field* field = find_field(key)) {
       if (absl::Status s = field->set(item.second, key, source, config); !s.ok()) return s;
       seen.insert(key);

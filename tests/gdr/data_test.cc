@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <algorithm>
 #include <cstdlib>
 #include <numeric>
@@ -105,6 +107,54 @@ TEST(DataTest, OpensAnIndexedDatasetBuiltFromTheCorpus) {
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ(w->num_tokens(), stats->num_tokens);
   EXPECT_EQ(w->next_batch(2).size(), 2u * 65u);
+}
+
+TEST(DataTest, AHeldOutFractionIsTheStreamsTailAndNeverTrainedOn) {
+  DataConfig config;  // embedded, data/corpus.txt: 67984 tokens, 1062 windows of 64
+  config.valid_fraction = 0.1;
+  absl::StatusOr<DataSets> sets = open_data_sets(config, 1);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_TRUE(sets->valid.has_value());
+  const int64_t windows = (67984 - 1) / 64, held_out = windows / 10;  // floor(1062 * 0.1) = 106
+  EXPECT_EQ(sets->train.num_windows(), windows - held_out);
+  EXPECT_EQ(sets->train.num_tokens(), (windows - held_out) * 64 + 1);
+  EXPECT_EQ(sets->valid->num_tokens(), 67984 - (windows - held_out) * 64);
+  EXPECT_EQ(sets->valid->num_windows(), held_out);
+  // The validation stream starts at the training stream's last token (the shared boundary),
+  // so the first validation target is the first token training never predicts.
+  DataConfig whole;
+  absl::StatusOr<TokenWindows> all = TokenWindows::open(whole, 1);
+  ASSERT_TRUE(all.ok());
+  const std::vector<int64_t> first_valid = sets->valid->windows_in_order(0, 1);
+  EXPECT_EQ(first_valid, all->windows_in_order(windows - held_out, 1));
+  const std::vector<int64_t> last_train = sets->train.windows_in_order(windows - held_out - 1, 1);
+  EXPECT_EQ(last_train.back(), first_valid.front());
+  // Training epochs visit only the head's windows.
+  for (int64_t w : sets->train.epoch_order(3)) EXPECT_LT(w, windows - held_out);
+  // Without a validation set the training windows are the whole stream, as before.
+  absl::StatusOr<DataSets> plain = open_data_sets(whole, 1);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->valid.has_value());
+  EXPECT_EQ(plain->train.num_windows(), windows);
+}
+
+TEST(DataTest, AValidationFileIsASecondStreamReadInIndexOrder) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/valid.txt";
+  std::ofstream(path) << std::string(200, 'v');
+  DataConfig config;
+  config.valid_path = path;
+  absl::StatusOr<DataSets> sets = open_data_sets(config, 1);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_TRUE(sets->valid.has_value());
+  EXPECT_EQ(sets->valid->num_windows(), (200 - 1) / 64);
+  EXPECT_EQ(sets->valid->windows_in_order(1, 2), std::vector<int64_t>(2 * 65, 'v'));
+  config.valid_path = path + ".missing";
+  EXPECT_EQ(open_data_sets(config, 1).status().code(), absl::StatusCode::kNotFound);
+  config.valid_path.clear();
+  config.valid_fraction = 0.0005;  // floor(1062 * 0.0005) = 0 windows
+  EXPECT_EQ(open_data_sets(config, 1).status().message(),
+            "data/corpus.txt: data.valid_fraction 0.0005 of 1062 windows holds out 0; expected "
+            "at least one window for validation and one for training");
 }
 
 TEST(DataTest, MissingSourceIsNotFound) {

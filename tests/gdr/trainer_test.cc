@@ -289,6 +289,81 @@ TEST(TrainerTest, RunLogsProgressAndLearns) {
   EXPECT_LT(last, first - 1.0) << "first " << first << " last " << last;
 }
 
+// Note [Evaluation]: a run that evaluates after every step computes the same bits as one
+// that never evaluates.
+TEST(TrainerTest, EvaluationNeverChangesTheTrainingBits) {
+  const RunConfig plain = tiny_run_config({{"data.valid_fraction", "0.1"}});
+  const RunConfig evaluating = tiny_run_config(
+      {{"data.valid_fraction", "0.1"}, {"train.eval_every", "1"}, {"train.eval_batches", "3"}});
+  std::unique_ptr<Trainer> a = make_trainer(plain);
+  std::unique_ptr<Trainer> b = make_trainer(evaluating);
+  std::vector<double> losses_a, losses_b;
+  absl::StatusOr<EvalStats> first, again;
+  for (int i = 0; i < 3; ++i) {
+    losses_a.push_back(a->train_step()->loss);
+    losses_b.push_back(b->train_step()->loss);
+    first = b->evaluate();
+    ASSERT_TRUE(first.ok()) << first.status();
+    again = b->evaluate();
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(first->loss, again->loss) << "the same windows every time";
+  }
+  EXPECT_EQ(losses_a, losses_b);
+  EXPECT_TRUE(bytes_equal(a->master_parameters(), b->master_parameters()));
+  EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
+  EXPECT_EQ(a->data_position(), b->data_position());
+  EXPECT_EQ(first->step, 3);
+  EXPECT_EQ(first->batches, 3);
+  EXPECT_EQ(first->tokens, 3 * 4 * 64);  // 3 batches of micro_batch_size 4 x seq_len 64
+  EXPECT_TRUE(std::isfinite(first->loss));
+  EXPECT_DOUBLE_EQ(first->perplexity, std::exp(first->loss));
+  // Without a validation set there is nothing to evaluate.
+  std::unique_ptr<Trainer> none = make_trainer(tiny_run_config());
+  EXPECT_EQ(none->evaluate().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(none->evaluate().status().message(),
+            "evaluate: the run has no validation set (data.valid_fraction, data.valid_path or "
+            "data.valid_prefix)");
+}
+
+TEST(TrainerTest, RunLogsEvaluationEveryEvalEveryStepsAndAfterTheLast) {
+  RunConfig config = tiny_run_config({{"train.steps", "5"},
+                                      {"data.valid_fraction", "0.1"},
+                                      {"train.eval_every", "2"},
+                                      {"train.eval_batches", "2"}});
+  config.train.metrics_path = scratch_dir("metrics/eval.jsonl");
+  std::unique_ptr<Trainer> t = make_trainer(config);
+  std::ostringstream log;
+  ASSERT_TRUE(t->run(log).ok());
+  std::vector<int64_t> eval_steps;
+  std::istringstream lines(log.str());
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("eval step ", 0) == 0) eval_steps.push_back(std::stoll(line.substr(10)));
+  }
+  EXPECT_EQ(eval_steps, (std::vector<int64_t>{2, 4, 5})) << log.str();
+  int eval_lines = 0;
+  std::ifstream metrics(config.train.metrics_path);
+  for (std::string line; std::getline(metrics, line);) {
+    if (line.find("\"eval_loss\":") != std::string::npos) {
+      ++eval_lines;
+      EXPECT_NE(line.find("\"eval_perplexity\":"), std::string::npos) << line;
+      EXPECT_NE(line.find("\"eval_tokens\":512"), std::string::npos) << line;  // 2 x 4 x 64
+    }
+  }
+  EXPECT_EQ(eval_lines, 3);
+}
+
+TEST(TrainerTest, FormatsTheEvalLine) {
+  EvalStats s;
+  s.step = 10;
+  s.loss = 4.12345;
+  s.perplexity = std::exp(4.12345);
+  s.batches = 8;
+  s.tokens = 2048;
+  s.time_s = 0.0512;
+  EXPECT_EQ(format_eval_line(s),
+            "eval step 10 loss 4.1235 perplexity 61.77 (8 batches, 2048 tokens, 0.05s)");
+}
+
 TEST(TrainerTest, CudaIsRefusedWithoutADevice) {
   if (at::hasCUDA()) GTEST_SKIP() << "a CUDA device is present";
   const absl::StatusOr<std::unique_ptr<Trainer>> t =
