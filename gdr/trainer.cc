@@ -331,9 +331,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       open_data_sets(config.data, static_cast<uint64_t>(config.train.seed));
   if (!data.ok()) return data.status();
 
-  auto impl = std::unique_ptr<Impl>(new Impl{config, std::move(data->train), *policy,
-                                             std::move(policy_from_environment),
-                                             std::move(data->valid)});
+  auto impl =
+      std::unique_ptr<Impl>(new Impl{config, std::move(data->train), *policy,
+                                     std::move(policy_from_environment), std::move(data->valid)});
   impl->device = device;
   impl->group = std::move(group);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
