@@ -448,6 +448,26 @@ std::vector<std::vector<int64_t>> Trainer::Impl::fetch_microbatches() {
   return mine;
 }
 
+namespace {
+
+// The first token id of `rows` outside [0, vocab): its row, its position in the row, the id.
+struct BadToken {
+  size_t row = 0;
+  size_t position = 0;
+  int64_t id = 0;
+};
+std::optional<BadToken> first_out_of_vocabulary(const std::vector<std::vector<int64_t>>& rows,
+                                                int64_t vocab) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (size_t i = 0; i < rows[r].size(); ++i) {
+      if (rows[r][i] < 0 || rows[r][i] >= vocab) return BadToken{r, i, rows[r][i]};
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 // Note [Token id check]: every id must index the embedding and the loss's vocabulary.
 // Checked here on the host, where it costs nothing, because on the GPU an
 // out-of-range id is a device-side assert in the embedding (the process dies with no
@@ -455,22 +475,15 @@ std::vector<std::vector<int64_t>> Trainer::Impl::fetch_microbatches() {
 // target check]).
 absl::Status Trainer::Impl::check_token_ids(const std::vector<std::vector<int64_t>>& mine,
                                             int64_t step_number) const {
-  const int64_t accum = config.train.grad_accum;
   const int64_t vocab = config.model.vocab_size;
-  for (size_t k = 0; k < mine.size(); ++k) {
-    for (size_t i = 0; i < mine[k].size(); ++i) {
-      const int64_t id = mine[k][i];
-      if (id < 0 || id >= vocab) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "step ", step_number, ": token id ", id, " at position ", i, " of microbatch ",
-            rank() * accum + static_cast<int64_t>(k) + 1, " is outside the vocabulary [0, ", vocab,
-            ") of model.vocab_size; check that the data (",
-            config.data.source == DataSource::kEmbedded ? config.data.path : config.data.prefix,
-            ") was tokenized for this model"));
-      }
-    }
-  }
-  return absl::OkStatus();
+  const std::optional<BadToken> bad = first_out_of_vocabulary(mine, vocab);
+  if (!bad.has_value()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "step ", step_number, ": token id ", bad->id, " at position ", bad->position,
+      " of microbatch ", rank() * config.train.grad_accum + static_cast<int64_t>(bad->row) + 1,
+      " is outside the vocabulary [0, ", vocab, ") of model.vocab_size; check that the data (",
+      config.data.source == DataSource::kEmbedded ? config.data.path : config.data.prefix,
+      ") was tokenized for this model"));
 }
 
 // All of this rank's token windows in one upload, [microbatches, batch, window]. On CUDA
@@ -1032,16 +1045,11 @@ absl::StatusOr<EvalStats> Trainer::evaluate() {
   std::vector<std::vector<int64_t>> rows;
   for (int64_t b = 0; b < batches; ++b) rows.push_back(m.valid->windows_in_order(b * batch, batch));
   const int64_t vocab = m.config.model.vocab_size;
-  for (size_t b = 0; b < rows.size(); ++b) {
-    for (size_t i = 0; i < rows[b].size(); ++i) {
-      if (rows[b][i] < 0 || rows[b][i] >= vocab) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "evaluation: token id ", rows[b][i], " at position ", i, " of batch ", b + 1,
-            " is outside the vocabulary [0, ", vocab,
-            ") of model.vocab_size; check that the validation data was tokenized for this "
-            "model"));
-      }
-    }
+  if (const std::optional<BadToken> bad = first_out_of_vocabulary(rows, vocab)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "evaluation: token id ", bad->id, " at position ", bad->position, " of batch ",
+        bad->row + 1, " is outside the vocabulary [0, ", vocab,
+        ") of model.vocab_size; check that the validation data was tokenized for this model"));
   }
   try {
     at::NoGradGuard no_grad;

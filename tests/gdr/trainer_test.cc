@@ -352,6 +352,19 @@ TEST(TrainerTest, RunLogsEvaluationEveryEvalEveryStepsAndAfterTheLast) {
   EXPECT_EQ(eval_lines, 3);
 }
 
+TEST(TrainerTest, EvaluationRefusesTokenIdsBeyondTheVocabulary) {
+  std::unique_ptr<Trainer> t =
+      make_trainer(tiny_run_config({{"model.vocab_size", "100"}, {"data.valid_fraction", "0.1"}}));
+  const absl::Status status = t->evaluate().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(status.message());
+  EXPECT_EQ(message.rfind("evaluation: token id ", 0), 0u) << message;
+  EXPECT_NE(message.find(" of batch 1 is outside the vocabulary [0, 100) of model.vocab_size; "
+                         "check that the validation data was tokenized for this model"),
+            std::string::npos)
+      << message;
+}
+
 TEST(TrainerTest, FormatsTheEvalLine) {
   EvalStats s;
   s.step = 10;
