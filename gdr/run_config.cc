@@ -200,6 +200,8 @@ const std::vector<Field>& run_fields() {
                      [](RunConfig& c) -> std::string& { return c.train.checkpoint_dir; }),
         int_field("train", "checkpoint_every",
                   [](RunConfig& c) -> int64_t& { return c.train.checkpoint_every; }),
+        string_field("train", "init_from",
+                     [](RunConfig& c) -> std::string& { return c.train.init_from; }),
         string_field("train", "snapshot_dir",
                      [](RunConfig& c) -> std::string& { return c.train.snapshot_dir; }),
         choice_field(
@@ -378,6 +380,7 @@ bool may_change_on_resume(absl::string_view dotted) {
       "train.cuda_graphs",
       "train.eval_every",
       "train.eval_batches",
+      "train.init_from",        // the checkpoint's weights replace it
       "schedule.total_steps"};  // compared by its effective value
   for (absl::string_view k : kFree) {
     if (k == dotted) return true;
@@ -503,13 +506,19 @@ absl::StatusOr<ExecutionPolicy> execution_policy_for_run(
 
 namespace gdr {
 
+absl::StatusOr<RunConfig> load_run_config_text(const std::string& text,
+                                               const std::string& shown_as) {
+  const std::function<absl::StatusOr<RunConfig>(const std::string&)> load =
+      [](const std::string& path) { return load_run_config(path); };
+  absl::StatusOr<RunConfig> config = load_via_temp_file<RunConfig>(text, shown_as, load);
+  if (config.ok()) config->source = shown_as;
+  return config;
+}
+
 absl::StatusOr<std::vector<std::string>> resume_config_differences(
     const std::string& saved_config_text, const std::string& saved_source,
     const RunConfig& current) {
-  const std::function<absl::StatusOr<RunConfig>(const std::string&)> load =
-      [](const std::string& path) { return load_run_config(path); };
-  absl::StatusOr<RunConfig> saved =
-      load_via_temp_file<RunConfig>(saved_config_text, saved_source, load);
+  absl::StatusOr<RunConfig> saved = load_run_config_text(saved_config_text, saved_source);
   if (!saved.ok()) return saved.status();
   std::vector<std::string> differing;
   // The model section, key by key as written (both texts come from load_run_config).

@@ -117,6 +117,11 @@ struct TrainConfig {
   // changes what training computes.
   int64_t eval_every = 0;
   int64_t eval_batches = 8;
+  // Start from these weights instead of the reference init (Note [Starting from a Hugging
+  // Face checkpoint] in gdr/trainer.cc): a Hugging Face directory, index JSON or
+  // .safetensors file whose config.json must describe the `model:` section's model. The
+  // optimizer starts fresh; --resume wins over it.
+  std::string init_from;
 };
 
 struct RunConfig {
@@ -148,6 +153,11 @@ absl::StatusOr<ConfigOverride> parse_config_override(const std::string& text);
 
 absl::StatusOr<RunConfig> load_run_config(const std::string& path,
                                           const std::vector<ConfigOverride>& overrides = {});
+
+// load_run_config for a config held as text (a checkpoint's state.json "config"); messages
+// and RunConfig::source name `shown_as` as the file.
+absl::StatusOr<RunConfig> load_run_config_text(const std::string& text,
+                                               const std::string& shown_as);
 
 absl::string_view train_dtype_name(TrainDtype dtype);
 

@@ -21,6 +21,7 @@
 #include "gdr/microbatch_graphs.h"
 #include "gdr/sha256.h"
 #include "io/file_util.h"
+#include "models/qwen/hf_checkpoint.h"
 #include "models/qwen/model.h"
 #include "ops/fused_adamw/fused_adamw_op.h"
 #include "ops/policy/determinism.h"
@@ -219,6 +220,7 @@ struct Trainer::Impl {
   // CUDA.
   std::unique_ptr<MicrobatchGraphs> graphs;
   int64_t eager_microbatches = 0;  // in this process
+  std::string init_line;           // what train.init_from loaded, for the run header
 
   int rank() const { return group ? group->rank() : 0; }
   int world() const { return group ? group->world_size() : 1; }
@@ -302,6 +304,16 @@ struct Trainer::Impl {
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
+// Note [Starting from a Hugging Face checkpoint]: train.init_from fills the model while it
+// is still FP32 on the CPU, before it moves to the run's device and dtype, so the FP32
+// masters hold the checkpoint's values exactly (BF16 -> FP32 is exact) and a BF16 run's
+// parameters equal a BF16 checkpoint bit for bit. The checkpoint's config.json must describe
+// the `model:` section's model (load_hf_checkpoint_checked names every differing key); a
+// multimodal checkpoint's vision tower and MTP head are skipped. Only the weights come from
+// it: the optimizer starts fresh, the step counter at 0, the data order from the seed.
+// --resume replaces the weights with the training checkpoint's, so init_from is not compared
+// on resume. Every rank reads the file itself; the initial parameter checksum across ranks
+// catches ranks that read different files.
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config,
                                                          std::shared_ptr<ProcessGroup> group) {
   if (group != nullptr && group->world_size() > 1) {
@@ -348,7 +360,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   }
   try {
     impl->model = QwenForCausalLM(config.model);
-    init_qwen_weights(*impl->model, static_cast<uint64_t>(config.train.seed));
+    if (config.train.init_from.empty()) {
+      init_qwen_weights(*impl->model, static_cast<uint64_t>(config.train.seed));
+    } else {
+      // Note [Starting from a Hugging Face checkpoint]
+      absl::StatusOr<HfLoadReport> loaded =
+          load_hf_checkpoint_checked(*impl->model, config.train.init_from);
+      if (!loaded.ok()) {
+        return absl::Status(
+            loaded.status().code(),
+            absl::StrCat(config.source, ": train.init_from: ", loaded.status().message()));
+      }
+      impl->init_line = absl::StrCat(
+          "initial weights: ", config.train.init_from, " (", loaded->loaded, " tensors",
+          loaded->skipped > 0 ? absl::StrCat(", ", loaded->skipped, " of other parts skipped") : "",
+          ")");
+    }
     impl->model->to(device, impl->mixed() ? at::kBFloat16 : at::kFloat);
     for (const auto& item : impl->model->named_parameters()) {
       impl->names.push_back(item.key());
@@ -957,6 +984,7 @@ absl::Status Trainer::run(std::ostream& log) {
                              impl_->step + 1)
         << std::endl
         << format_policy_line(impl_->policy, impl_->policy_from_environment) << std::endl;
+    if (!impl_->init_line.empty() && impl_->step == 0) log << impl_->init_line << std::endl;
     for (const std::string& name : unknown_gdr_environment_variables()) {
       log << "warning: " << name << " is set but no part of gdr reads it (a misspelt switch?)"
           << std::endl;

@@ -6,6 +6,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <set>
 #include <utility>
@@ -447,6 +449,56 @@ absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path) {
   }
   if (absl::Status s = validate_qwen_config(*config, source.file, source.prefix); !s.ok()) return s;
   return config;
+}
+
+namespace {
+
+// The shortest text that reads back as exactly `v` ("1e-06", "10000000").
+std::string shortest_exact(double v) {
+  if (std::abs(v) < 1e15 && v == std::trunc(v)) return absl::StrCat(static_cast<int64_t>(v));
+  char buf[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+std::string shown(double v) { return shortest_exact(v); }
+std::string shown(int64_t v) { return absl::StrCat(v); }
+std::string shown(absl::string_view v) { return std::string(v); }
+std::string shown(const std::string& v) { return v; }
+
+}  // namespace
+
+std::vector<std::string> qwen_config_differences(const QwenConfig& a, const QwenConfig& b) {
+  std::vector<std::string> differing;
+  const auto compare = [&](absl::string_view key, const auto& x, const auto& y) {
+    if (x != y) differing.push_back(absl::StrCat(key, " (", shown(x), " vs ", shown(y), ")"));
+  };
+  compare("hidden_size", a.hidden_size, b.hidden_size);
+  compare("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers);
+  compare("intermediate_size", a.intermediate_size, b.intermediate_size);
+  compare("vocab_size", a.vocab_size, b.vocab_size);
+  compare("num_attention_heads", a.num_attention_heads, b.num_attention_heads);
+  compare("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads);
+  compare("head_dim", a.head_dim, b.head_dim);
+  compare("linear_num_key_heads", a.linear_num_key_heads, b.linear_num_key_heads);
+  compare("linear_num_value_heads", a.linear_num_value_heads, b.linear_num_value_heads);
+  compare("linear_key_head_dim", a.linear_key_head_dim, b.linear_key_head_dim);
+  compare("linear_value_head_dim", a.linear_value_head_dim, b.linear_value_head_dim);
+  compare("linear_conv_kernel_dim", a.linear_conv_kernel_dim, b.linear_conv_kernel_dim);
+  compare("rms_norm_eps", a.rms_norm_eps, b.rms_norm_eps);
+  if (a.layer_types != b.layer_types) {
+    differing.push_back(absl::StrCat("layer_types ([", absl::StrJoin(a.layer_types, ", "), "] vs [",
+                                     absl::StrJoin(b.layer_types, ", "), "])"));
+  }
+  compare("rope_theta", a.rope_theta, b.rope_theta);
+  compare("partial_rotary_factor", a.partial_rotary_factor, b.partial_rotary_factor);
+  compare("tie_word_embeddings", absl::string_view(a.tie_word_embeddings ? "true" : "false"),
+          absl::string_view(b.tie_word_embeddings ? "true" : "false"));
+  compare("hidden_act", a.hidden_act, b.hidden_act);
+  return differing;
 }
 
 absl::StatusOr<QwenConfig> load_qwen_config(const std::string& path) {

@@ -101,4 +101,11 @@ absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path);
 // Either loader by extension: ".json" -> Hugging Face, otherwise YAML.
 absl::StatusOr<QwenConfig> load_qwen_config(const std::string& path);
 
+// The keys whose values differ between two configs, each as "<key> (<a> vs <b>)", in the
+// order of the key table: every key that changes the weights' shapes or what the model
+// computes (sizes, layer_types, conv kernel, rms_norm_eps, RoPE, tying, activation).
+// gdr's own keys, initializer_range, max_position_embeddings and full_attention_interval
+// (layer_types says it) are left out. Empty when the same model.
+std::vector<std::string> qwen_config_differences(const QwenConfig& a, const QwenConfig& b);
+
 }  // namespace gdr

@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "io/file_util.h"
 #include "io/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -21,9 +22,21 @@ bool is_skipped_part(const std::string& name) {
   return absl::StartsWith(name, "model.visual.") || absl::StartsWith(name, "mtp.");
 }
 
+// transformers' name of a dtype (config.json "dtype"); "" for one it has no name for here.
+std::string hf_dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    default: return "";
+  }
+}
+
 }  // namespace
 
-absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path) {
+absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path,
+                                  absl::string_view dtype) {
   nlohmann::ordered_json json;
   json["architectures"] = {"Qwen3_5ForCausalLM"};
   json["model_type"] = "qwen3_5_text";
@@ -51,6 +64,7 @@ absl::Status write_hf_config_json(const QwenConfig& config, const std::string& p
   json["initializer_range"] = config.initializer_range;
   json["attention_bias"] = false;
   json["attn_output_gate"] = true;
+  if (!dtype.empty()) json["dtype"] = std::string(dtype);
   return io::write_file_atomically(path, json.dump(2) + "\n");
 }
 
@@ -68,7 +82,10 @@ absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::str
   std::filesystem::create_directories(dir, ec);
   if (ec)
     return absl::InternalError(absl::StrCat(dir, ": cannot create directory: ", ec.message()));
-  if (absl::Status s = write_hf_config_json(model.config(), dir + "/config.json"); !s.ok()) {
+  const std::string dtype_name =
+      tensors.empty() ? "" : hf_dtype_name(tensors.front().second.scalar_type());
+  if (absl::Status s = write_hf_config_json(model.config(), dir + "/config.json", dtype_name);
+      !s.ok()) {
     return s;
   }
   const io::SafetensorsMetadata metadata = {{"format", "pt"}};
@@ -122,6 +139,35 @@ absl::StatusOr<HfLoadReport> load_hf_checkpoint(QwenForCausalLMImpl& model,
     ++report.loaded;
   }
   return report;
+}
+
+std::string hf_config_json_for(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return path + "/config.json";
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  return (parent.empty() ? std::filesystem::path("config.json") : parent / "config.json").string();
+}
+
+absl::StatusOr<HfLoadReport> load_hf_checkpoint_checked(QwenForCausalLMImpl& model,
+                                                        const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    return absl::NotFoundError(absl::StrCat(path, ": no such file or directory"));
+  }
+  const std::string config_json = hf_config_json_for(path);
+  if (!std::filesystem::exists(config_json, ec)) {
+    return absl::NotFoundError(
+        absl::StrCat(path, ": no config.json beside the weights (expected ", config_json, ")"));
+  }
+  absl::StatusOr<QwenConfig> saved = load_qwen_config_hf_json(config_json);
+  if (!saved.ok()) return saved.status();
+  const std::vector<std::string> differing = qwen_config_differences(model.config(), *saved);
+  if (!differing.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_json, ": the checkpoint's model differs from the run's in ",
+                     absl::StrJoin(differing, ", "), " (the run's value first)"));
+  }
+  return load_hf_checkpoint(model, path);
 }
 
 }  // namespace gdr

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "models/qwen/model.h"
 
 namespace gdr {
@@ -20,11 +21,13 @@ struct HfSaveOptions {
 
 // The text config as a Hugging Face config.json (model_type qwen3_5_text), readable by
 // load_qwen_config_hf_json and by transformers. gdr's own keys (pre_gdr_fusion,
-// deterministic_mode) are not HF keys and are not written.
-absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path);
+// deterministic_mode) are not HF keys and are not written. `dtype` ("bfloat16", "float32";
+// "" leaves the key out) is the stored weights' dtype, which transformers loads by default.
+absl::Status write_hf_config_json(const QwenConfig& config, const std::string& path,
+                                  absl::string_view dtype = "");
 
-// Writes model.named_parameters() and config.json into `dir` (created if missing),
-// atomically per file.
+// Writes model.named_parameters() and config.json (with the stored dtype) into `dir`
+// (created if missing), atomically per file.
 absl::Status save_hf_checkpoint(const QwenForCausalLMImpl& model, const std::string& dir,
                                 const HfSaveOptions& options = {});
 
@@ -41,5 +44,18 @@ struct HfLoadReport {
 // the file and the tensors, and then no parameter is modified.
 absl::StatusOr<HfLoadReport> load_hf_checkpoint(QwenForCausalLMImpl& model,
                                                 const std::string& path);
+
+// The config.json that describes the weights at `path`: <path>/config.json for a
+// directory, else the config.json beside the file.
+std::string hf_config_json_for(const std::string& path);
+
+// load_hf_checkpoint after checking the checkpoint's config.json (hf_config_json_for) against
+// model.config(). Errors, before any parameter is modified:
+//   NotFound         "<path>: no config.json beside the weights (expected <file>)"
+//   InvalidArgument  "<config.json>: the checkpoint's model differs from the run's in
+//                     <key> (<run's> vs <checkpoint's>), ..." (qwen_config_differences)
+//   and every error of load_qwen_config_hf_json and load_hf_checkpoint.
+absl::StatusOr<HfLoadReport> load_hf_checkpoint_checked(QwenForCausalLMImpl& model,
+                                                        const std::string& path);
 
 }  // namespace gdr

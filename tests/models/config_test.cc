@@ -76,6 +76,29 @@ TEST(QwenConfig, TheTinyConfigHasMoreValueHeadsThanKeyHeads) {
                                                       "linear_attention", "full_attention"}));
 }
 
+TEST(QwenConfig, DifferencesNameEveryKeyThatChangesTheModelWithBothValues) {
+  const absl::StatusOr<QwenConfig> a = load_qwen_config("configs/tiny.yaml");
+  ASSERT_TRUE(a.ok()) << a.status();
+  QwenConfig b = *a;
+  // gdr's own keys and the ones that do not change the computation are not differences.
+  b.pre_gdr_fusion = PreGdrFusion::kNone;
+  b.deterministic_mode = !a->deterministic_mode;
+  b.initializer_range = 0.5;
+  b.max_position_embeddings = 7;
+  EXPECT_TRUE(qwen_config_differences(*a, b).empty());
+  b.rms_norm_eps = 1e-5;
+  b.layer_types[0] = "full_attention";
+  b.tie_word_embeddings = false;
+  b.rope_theta = 10000000.5;
+  EXPECT_EQ(qwen_config_differences(*a, b),
+            (std::vector<std::string>{
+                "rms_norm_eps (1e-06 vs 1e-05)",
+                "layer_types ([linear_attention, linear_attention, linear_attention, "
+                "full_attention] vs [full_attention, linear_attention, linear_attention, "
+                "full_attention])",
+                "rope_theta (10000000 vs 10000000.5)", "tie_word_embeddings (true vs false)"}));
+}
+
 TEST(QwenConfig, AFileThatIsOnlyTheModelSectionLoadsWithDefaultsAndDerivedLayerTypes) {
   std::string text = kTinyModel;
   text = text.substr(text.find('\n') + 1);  // drop "model:"
