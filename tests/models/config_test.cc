@@ -66,6 +66,40 @@ TEST(QwenConfig, TheCheckedIn0_8bConfigHasTheReferenceNumbers) {
   EXPECT_FALSE(c->deterministic_mode);
 }
 
+// The released Qwen3.5-2B and -4B text configs (their config.json values).
+TEST(QwenConfig, The2bAnd4bConfigsHaveTheReleasedModelsNumbers) {
+  const absl::StatusOr<QwenConfig> two = load_qwen_config("configs/train_qwen2b.yaml");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->hidden_size, 2048);
+  EXPECT_EQ(two->num_hidden_layers, 24);
+  EXPECT_EQ(two->intermediate_size, 6144);
+  EXPECT_EQ(two->num_attention_heads, 8);
+  EXPECT_EQ(two->num_key_value_heads, 2);
+  EXPECT_EQ(two->linear_num_key_heads, 16);
+  EXPECT_EQ(two->linear_num_value_heads, 16);
+  const absl::StatusOr<QwenConfig> four = load_qwen_config("configs/train_qwen4b.yaml");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->hidden_size, 2560);
+  EXPECT_EQ(four->num_hidden_layers, 32);
+  EXPECT_EQ(four->intermediate_size, 9216);
+  EXPECT_EQ(four->num_attention_heads, 16);
+  EXPECT_EQ(four->num_key_value_heads, 4);
+  EXPECT_EQ(four->linear_num_key_heads, 16);
+  EXPECT_EQ(four->linear_num_value_heads, 32);
+  for (const QwenConfig* c : {&*two, &*four}) {
+    EXPECT_EQ(c->vocab_size, 248320);
+    EXPECT_EQ(c->head_dim, 256);
+    EXPECT_EQ(c->linear_key_head_dim, 128);
+    EXPECT_EQ(c->linear_value_head_dim, 128);
+    EXPECT_EQ(c->rotary_dim(), 64);
+    EXPECT_TRUE(c->tie_word_embeddings);
+    ASSERT_EQ(c->layer_types.size(), static_cast<size_t>(c->num_hidden_layers));
+    for (int64_t i = 0; i < c->num_hidden_layers; ++i) {
+      EXPECT_EQ(c->is_full_attention(i), (i + 1) % 4 == 0) << i;
+    }
+  }
+}
+
 TEST(QwenConfig, TheTinyConfigHasMoreValueHeadsThanKeyHeads) {
   const absl::StatusOr<QwenConfig> c = load_qwen_config("configs/tiny.yaml");
   ASSERT_TRUE(c.ok()) << c.status();
