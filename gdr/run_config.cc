@@ -226,6 +226,10 @@ const std::vector<Field>& run_fields() {
             "train", "cuda_graphs", {"false", "true"},
             [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
             [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
+        choice_field(
+            "train", "recompute", {"none", "attention", "full"},
+            [](RunConfig& c, size_t i) { c.train.recompute = static_cast<Recompute>(i); },
+            [](const RunConfig& c) -> size_t { return static_cast<size_t>(c.train.recompute); }),
     };
     for (const ExecutionPolicyKey& key : execution_policy_keys()) {
       if (absl::StartsWith(key.config_key, "kernels.")) all->push_back(kernel_field(key.key));
@@ -485,6 +489,7 @@ ExecutionPolicy file_execution_policy(const RunConfig& config) {
   policy.deterministic = config.model.deterministic_mode;
   policy.pre_gdr_fusion = config.model.pre_gdr_fusion;
   policy.cuda_graphs = config.train.cuda_graphs;
+  policy.recompute = config.train.recompute;
   return policy;
 }
 

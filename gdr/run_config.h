@@ -21,6 +21,8 @@
 //               overlap_grad_reduction: true | false (sum / reduce during the last backward)
 //               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
 //               eval_every (0 = never), eval_batches: evaluation on the validation set
+//               init_from: a Hugging Face checkpoint to start from ("" = reference init)
+//               recompute: none | attention | full (activation recomputation; same bits)
 //   kernels:    the execution policy's kernel choices, one key each (rms_norm: composite,
 //               attention: aten, pre_gdr_gate_tile: 128x16x256, ...; execution_policy_keys()
 //               in ops/policy/execution_policy.h, and README's switch table)
@@ -112,6 +114,10 @@ struct TrainConfig {
   // graph and replay it (Note [Microbatch graphs] in gdr/microbatch_graphs.h); same bits
   // either way.
   bool cuda_graphs = true;
+  // Activations recomputed in the backward to save memory (Note [Recomputation] in
+  // ops/recompute/recompute_op.h): none, attention (each layer's token mixer) or full (whole
+  // decoder layers); same bits either way.
+  Recompute recompute = Recompute::kNone;
   // Evaluation on the validation set every eval_every steps (0: never) and after the last
   // step, over the first eval_batches micro_batch_size-window batches of it; it never
   // changes what training computes.
@@ -162,8 +168,8 @@ absl::StatusOr<RunConfig> load_run_config_text(const std::string& text,
 absl::string_view train_dtype_name(TrainDtype dtype);
 
 // The execution policy the file asks for: the `kernels:` section plus
-// model.deterministic_mode, model.pre_gdr_fusion and train.cuda_graphs. load_run_config
-// already refused one that validate_execution_policy refuses.
+// model.deterministic_mode, model.pre_gdr_fusion, train.cuda_graphs and train.recompute.
+// load_run_config already refused one that validate_execution_policy refuses.
 ExecutionPolicy file_execution_policy(const RunConfig& config);
 
 // The run's execution policy (Note [Execution policy]): file_execution_policy with the GDR_*

@@ -10,11 +10,14 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "ops/attention/attention_op.h"
 #include "ops/cross_entropy/cross_entropy_op.h"
 #include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
+#include "ops/recompute/recompute_op.h"
 
 namespace gdr {
 
@@ -55,7 +58,19 @@ std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(const at::Te
     normed = input_layernorm(hidden);
     h = hidden;
   }
-  const at::Tensor mixed = linear_attn ? linear_attn(normed) : self_attn(normed);
+  at::Tensor mixed;
+  if (current_execution_policy().recompute == Recompute::kAttention) {
+    // Note [Recomputation] in ops/recompute/recompute_op.h: only `normed` is kept.
+    DecoderLayerImpl* self = this;
+    mixed = recompute_in_backward(
+        [self](const std::vector<at::Tensor>& in) {
+          return std::vector<at::Tensor>{self->linear_attn ? self->linear_attn(in[0])
+                                                           : self->self_attn(in[0])};
+        },
+        {normed})[0];
+  } else {
+    mixed = linear_attn ? linear_attn(normed) : self_attn(normed);
+  }
   auto [normed2, h2] =
       add_zero_centered_rms_norm(h, mixed, post_attention_layernorm->weight, rms_norm_eps_);
   return {h2, mlp(normed2)};
@@ -78,8 +93,22 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
   // Each layer hands its MLP output over un-added; the next norm adds it (Note [Residual
   // add in the norm]).
   at::Tensor pending;
+  const bool recompute_layers = current_execution_policy().recompute == Recompute::kFull;
   for (const auto& layer : *layers) {
-    std::tie(h, pending) = layer->as<DecoderLayer>()->forward_pending(h, pending);
+    DecoderLayerImpl* decoder = layer->as<DecoderLayer>();
+    if (!recompute_layers) {
+      std::tie(h, pending) = decoder->forward_pending(h, pending);
+      continue;
+    }
+    // Note [Recomputation]: only the layer's inputs (h and the pending MLP output) are kept.
+    const std::vector<at::Tensor> out = recompute_in_backward(
+        [decoder](const std::vector<at::Tensor>& in) {
+          auto [next_h, next_pending] = decoder->forward_pending(in[0], in[1]);
+          return std::vector<at::Tensor>{next_h, next_pending};
+        },
+        {h, pending});
+    h = out[0];
+    pending = out[1];
   }
   if (!pending.defined()) return norm(h);
   return add_zero_centered_rms_norm(h, pending, norm->weight, rms_norm_eps_).first;

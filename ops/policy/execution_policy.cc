@@ -200,6 +200,10 @@ const std::vector<Choice>& choices() {
                   "projections of one input as one op (input gradient summed in the GEMMs)"),
       bool_choice("cuda_graphs", "train.cuda_graphs", "", &P::cuda_graphs, true,
                   "the trainer replays microbatches from CUDA graphs (CUDA only; same bits)"),
+      enum_choice("recompute", "train.recompute", "GDR_RECOMPUTE", {"none", "attention", "full"},
+                  &P::recompute,
+                  "activations recomputed in the backward: none, each layer's token mixer, or "
+                  "whole layers (same bits)"),
   };
   return all;
 }
@@ -271,7 +275,8 @@ const std::vector<ExecutionPolicyKey>& execution_policy_keys() {
                                                     "add_rms_norm",
                                                     "gated_activation",
                                                     "rope",
-                                                    "cuda_graphs"};
+                                                    "cuda_graphs",
+                                                    "recompute"};
     std::vector<ExecutionPolicyKey> k;
     for (const Choice& c : choices()) {
       k.push_back(c.key);

@@ -6,7 +6,8 @@
 // is built once at start-up:
 //   1. the defaults below (what a run gets when it says nothing),
 //   2. the run config's `kernels:` section (keys: execution_policy_keys()), plus
-//      model.deterministic_mode, model.pre_gdr_fusion and train.cuda_graphs,
+//      model.deterministic_mode, model.pre_gdr_fusion, train.cuda_graphs and
+//      train.recompute,
 //   3. the GDR_* environment variables, as overrides (apply_environment_overrides: the one
 //      place in gdr that reads them, so a user can A/B a kernel without editing a config),
 //   4. validate_execution_policy (the rules between choices, e.g. deterministic mode
@@ -63,6 +64,10 @@ enum class RopeImpl { kFused, kComposite };
 enum class CrossEntropyImpl { kFused, kComposite };
 enum class TiedEmbeddingImpl { kFused, kComposite };
 enum class LinearGroupImpl { kFused, kComposite };
+// Activation recomputation in the model's backward (Note [Recomputation] in
+// ops/recompute/recompute_op.h): none, each layer's token mixer (Gated DeltaNet or gated
+// attention, with its projections), or whole decoder layers.
+enum class Recompute { kNone, kAttention, kFull };
 
 struct ExecutionPolicy {
   // Determinism (Note [Deterministic mode resolution] in ops/policy/determinism.h).
@@ -98,6 +103,8 @@ struct ExecutionPolicy {
   LinearGroupImpl linear_group = LinearGroupImpl::kFused;
   // The trainer: replay microbatches from CUDA graphs (train.cuda_graphs; CUDA only).
   bool cuda_graphs = true;
+  // The model: activations recomputed in the backward (train.recompute; same bits).
+  Recompute recompute = Recompute::kNone;
 };
 
 bool operator==(const ExecutionPolicy& a, const ExecutionPolicy& b);

@@ -69,7 +69,12 @@ class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
         TORCH_CHECK(out.defined() && at::isFloatingType(out.scalar_type()),
                     "recompute_in_backward: expected the block's outputs to be defined floating "
                     "tensors");
-        outputs.push_back(out.detach());
+        bool aliases_input = false;
+        for (const at::Tensor& leaf : leaves)
+          aliases_input |= leaf.defined() && out.is_alias_of(leaf);
+        // An input handed back (a layer whose residual is its input) leaves as a copy: autograd
+        // wants a Function's outputs to be its own tensors.
+        outputs.push_back(aliases_input ? out.detach().clone() : out.detach());
       }
     }
     return outputs;

@@ -291,6 +291,29 @@ TEST(TrainerTest, RunLogsProgressAndLearns) {
 
 // Note [Evaluation]: a run that evaluates after every step computes the same bits as one
 // that never evaluates.
+// Note [Recomputation]: train.recompute trades compute for activation memory and nothing
+// else: the steps' losses, weights and optimizer state are the plain run's bits.
+TEST(TrainerTest, RecomputationNeverChangesTheTrainingBits) {
+  for (const char* dtype : {"fp32", "bf16"}) {
+    std::unique_ptr<Trainer> plain = make_trainer(tiny_run_config({{"train.dtype", dtype}}));
+    std::vector<double> plain_losses;
+    for (int i = 0; i < 2; ++i) plain_losses.push_back(plain->train_step()->loss);
+    for (const char* recompute : {"attention", "full"}) {
+      const RunConfig config =
+          tiny_run_config({{"train.dtype", dtype}, {"train.recompute", recompute}});
+      EXPECT_EQ(static_cast<int>(config.train.recompute), recompute[0] == 'a' ? 1 : 2);
+      std::unique_ptr<Trainer> t = make_trainer(config);
+      std::vector<double> losses;
+      for (int i = 0; i < 2; ++i) losses.push_back(t->train_step()->loss);
+      EXPECT_EQ(losses, plain_losses) << dtype << " " << recompute;
+      EXPECT_TRUE(bytes_equal(t->master_parameters(), plain->master_parameters()))
+          << dtype << " " << recompute;
+      EXPECT_TRUE(bytes_equal(t->optimizer_tensors(), plain->optimizer_tensors()))
+          << dtype << " " << recompute;
+    }
+  }
+}
+
 TEST(TrainerTest, EvaluationNeverChangesTheTrainingBits) {
   const RunConfig plain = tiny_run_config({{"data.valid_fraction", "0.1"}});
   const RunConfig evaluating = tiny_run_config(

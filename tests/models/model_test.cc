@@ -6,6 +6,7 @@
 
 #include "ops/attention/attention_op.h"
 #include "ops/gdr_core/gdr_core_op.h"
+#include "ops/policy/execution_policy.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -140,6 +141,35 @@ TEST(QwenModel, NoneAndGateFusionGiveTheSameLossAndGradients) {
     const double scale = grads_none[i].abs().max().item<double>();
     EXPECT_LE((grads_none[i] - grads_gate[i]).abs().max().item<double>(), 1e-4 * scale + 1e-7)
         << names[i].key();
+  }
+}
+
+// Note [Recomputation]: recomputing the mixers or whole layers in the backward changes
+// neither the loss nor any gradient, bit for bit.
+TEST(QwenModel, RecomputationKeepsTheLossAndEveryGradientBitForBit) {
+  QwenForCausalLM model = tiny_model(4);
+  const at::Tensor ids = text_batch(40);
+  auto loss_and_grads = [&](Recompute recompute) {
+    ExecutionPolicy policy;
+    policy.recompute = recompute;
+    const ExecutionPolicyGuard guard(policy);
+    for (at::Tensor& p : model->parameters()) p.mutable_grad().reset();
+    const at::Tensor loss = model->loss(ids, ids);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : model->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss.detach(), grads);
+  };
+  const auto [loss_plain, grads_plain] = loss_and_grads(Recompute::kNone);
+  const auto names = model->named_parameters();
+  for (Recompute recompute : {Recompute::kAttention, Recompute::kFull}) {
+    const auto [loss, grads] = loss_and_grads(recompute);
+    EXPECT_TRUE(at::equal(loss, loss_plain)) << static_cast<int>(recompute);
+    ASSERT_EQ(grads.size(), grads_plain.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      EXPECT_TRUE(at::equal(grads[i], grads_plain[i]))
+          << names[i].key() << " recompute " << static_cast<int>(recompute);
+    }
   }
 }
 

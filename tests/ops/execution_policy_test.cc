@@ -47,7 +47,7 @@ TEST(ExecutionPolicy, DefaultsAreTheFastPathsAndPrintInFull) {
             "chunk_gemm_overlap=true gdr_core_v_fp32=false attention=cudnn rms_norm=fused "
             "rms_norm_kernel=resident add_rms_norm=fused causal_conv=kernel "
             "gated_activation=fused rope=fused cross_entropy=fused tied_embedding=fused "
-            "linear_group=fused cuda_graphs=true");
+            "linear_group=fused cuda_graphs=true recompute=none");
   EXPECT_EQ(&current_execution_policy(), &current_execution_policy());
   EXPECT_EQ(current_execution_policy(), ExecutionPolicy{});
 }
@@ -59,14 +59,15 @@ TEST(ExecutionPolicy, EveryKeyHasAConfigKeyADefaultAndAtMostOneVariable) {
     EXPECT_EQ(execution_policy_value(ExecutionPolicy{}, key.key), key.default_value) << key.key;
     EXPECT_TRUE(absl::StartsWith(key.config_key, "kernels.") ||
                 key.config_key == "model.deterministic_mode" ||
-                key.config_key == "model.pre_gdr_fusion" || key.config_key == "train.cuda_graphs")
+                key.config_key == "model.pre_gdr_fusion" || key.config_key == "train.cuda_graphs" ||
+                key.config_key == "train.recompute")
         << key.config_key;
     if (!key.variable.empty()) {
       EXPECT_TRUE(absl::StartsWith(key.variable, "GDR_")) << key.variable;
       EXPECT_TRUE(variables.insert(key.variable).second) << key.variable << " twice";
     }
   }
-  EXPECT_EQ(variables.size(), 22u);
+  EXPECT_EQ(variables.size(), 23u);
 }
 
 TEST(ExecutionPolicy, TheEnvironmentSetsEveryChoiceItNames) {
@@ -93,6 +94,7 @@ TEST(ExecutionPolicy, TheEnvironmentSetsEveryChoiceItNames) {
       {"GDR_CROSS_ENTROPY", "composite"},
       {"GDR_TIED_EMBEDDING", "composite"},
       {"GDR_LINEAR_GROUP", "composite"},
+      {"GDR_RECOMPUTE", "full"},
   };
   ExecutionPolicy p;
   std::vector<std::string> changed;
@@ -106,7 +108,7 @@ TEST(ExecutionPolicy, TheEnvironmentSetsEveryChoiceItNames) {
             "chunk_gemm_overlap=false gdr_core_v_fp32=true attention=aten rms_norm=composite "
             "rms_norm_kernel=streaming add_rms_norm=composite causal_conv=aten "
             "gated_activation=composite rope=composite cross_entropy=composite "
-            "tied_embedding=composite linear_group=composite cuda_graphs=true");
+            "tied_embedding=composite linear_group=composite cuda_graphs=true recompute=full");
   ASSERT_TRUE(p.gate_tile.has_value());
   EXPECT_EQ(*p.gate_tile, (kernels::GateTile{128, 16, 256}));
 }
