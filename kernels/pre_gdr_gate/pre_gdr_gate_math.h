@@ -45,4 +45,23 @@ GDR_HOST_DEVICE float gate_reciprocal(float x) {
 
 GDR_HOST_DEVICE float gate_sigmoid(float x) { return gate_reciprocal(1.0f + expf(-x)); }
 
+// The same formulas in FP64, for the CPU op's Double inputs (Note [Gate FP64 on the CPU] in
+// ops/pre_gdr_gate/pre_gdr_gate_op.cc); PyTorch's double softplus has the same threshold.
+GDR_HOST_DEVICE double gate_softplus(double pre) {
+  return pre > static_cast<double>(kSoftplusThreshold) ? pre : log1p(exp(pre));
+}
+
+GDR_HOST_DEVICE void gate_softplus_and_grad(double pre, double& softplus, double& grad) {
+  if (pre > static_cast<double>(kSoftplusThreshold)) {
+    softplus = pre;
+    grad = 1.0;
+    return;
+  }
+  const double z = exp(pre);
+  softplus = log1p(z);
+  grad = z / (z + 1.0);
+}
+
+GDR_HOST_DEVICE double gate_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
 }  // namespace gdr::kernels

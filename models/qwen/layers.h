@@ -3,9 +3,11 @@
 // the SwiGLU MLP. Submodule and parameter names are Hugging Face's, so named_parameters()
 // of the model gives checkpoint names.
 //
-// Activations are [B, T, D] in the parameters' dtype (FP32 or BF16; FP64 works for tests)
-// on any device; norms, gates, the GDR core, RoPE and the causal-conv output feed FP32
-// math as the spec asks, and each module returns its input's dtype. All modules are
+// Activations are [B, T, D] in the parameters' dtype (FP32 or BF16; FP64 on the CPU for
+// tests) on any device; norms, gates, the GDR core, RoPE and the causal-conv output feed
+// FP32 math as the spec asks (FP64 math for an FP64 model: every op on the CPU path takes
+// Double and computes in FP64, tests/models/hf_parity_test.cc checks it against
+// transformers), and each module returns its input's dtype. All modules are
 // autograd-differentiable through ATen ops and gdr ops.
 #pragma once
 
@@ -23,10 +25,10 @@
 
 namespace gdr {
 
-// Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math,
-// result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless the execution policy says
-// rms_norm composite; otherwise the composition (ops/rms_norm/rms_norm_op.h:
-// zero_centered_rms_norm_composite, the reference).
+// Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), FP32 math
+// (FP64 for Double), result in x's dtype. On CUDA (FP32/FP16/BF16) the fused op unless the
+// execution policy says rms_norm composite; otherwise the composition
+// (ops/rms_norm/rms_norm_op.h: zero_centered_rms_norm_composite, the reference).
 at::Tensor zero_centered_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // (zero_centered_rms_norm(x + residual), x + residual) for the pre-norm residual stream:
@@ -38,7 +40,8 @@ std::pair<at::Tensor, at::Tensor> add_zero_centered_rms_norm(const at::Tensor& x
                                                              const at::Tensor& weight, double eps);
 
 // Gated RMSNorm of the GDN output, over the last dim:
-// (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math, result in `out_dtype`.
+// (o * rsqrt(mean(o^2) + eps)) * w * silu(z), FP32 math (FP64 for Double), result in
+// `out_dtype`.
 // o, z: [..., dv]; weight: [dv]. Dispatch as for zero_centered_rms_norm (reference:
 // gated_rms_norm_composite in ops/rms_norm/rms_norm_op.h).
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight,
@@ -60,9 +63,9 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
 std::vector<at::Tensor> split_last_dim(const at::Tensor& x, const std::vector<int64_t>& sizes);
 
 // Rotate-half RoPE on the first `rotary_dim` channels of x: [B, H, T, hd], positions
-// 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32, result in x's dtype. The fused
-// op on CUDA unless the execution policy says rope composite, else the ATen composite
-// (ops/rope/rope_op.h).
+// 0..T-1, inv_freq = theta^(-2i/rotary_dim). Math in FP32 (FP64 for Double), result in
+// x's dtype. The fused op on CUDA unless the execution policy says rope composite, else the
+// ATen composite (ops/rope/rope_op.h).
 at::Tensor apply_partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
 
 // Zero-centred RMSNorm module; parameter `weight` [dim], initialised to 0.

@@ -7,6 +7,10 @@ namespace gdr::cross_entropy_internal {
 
 // Argument checks at the op boundary; messages name the op and the argument and say what
 // was expected and what was given.
+// The math type of the CPU op and the composite, and the dtype of lse and count: FP64 for
+// Double logits (CPU only), FP32 otherwise.
+at::ScalarType compute_type(const at::Tensor& logits);
+
 void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& labels);
 void check_backward_inputs(const char* op, const at::Tensor& grad_loss, const at::Tensor& logits,
                            const at::Tensor& labels, const at::Tensor& lse,

@@ -30,6 +30,10 @@ bool is_logits_dtype(const at::Tensor& t) {
 
 }  // namespace
 
+at::ScalarType compute_type(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(logits.defined(), op, ": logits is undefined");
   TORCH_CHECK(labels.defined(), op, ": labels is undefined");
@@ -70,12 +74,13 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_loss, const at
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == B && lse.size(1) == T - 1, op,
               ": expected lse of shape [", B, ", ", T - 1, "] (B, T - 1 of logits), but got ",
               lse.sizes());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op,
-              ": expected lse of dtype Float (from the forward), but got ", lse.scalar_type());
+  const at::ScalarType stats = compute_type(logits);
+  TORCH_CHECK(lse.scalar_type() == stats, op, ": expected lse of dtype ", stats,
+              " (from the forward), but got ", lse.scalar_type());
   TORCH_CHECK(count.defined(), op, ": count is undefined");
-  TORCH_CHECK(count.numel() == 1 && count.scalar_type() == at::kFloat, op,
-              ": expected count as one Float element (from the forward), but got ",
-              count.scalar_type(), " of shape ", count.sizes());
+  TORCH_CHECK(count.numel() == 1 && count.scalar_type() == stats, op, ": expected count as one ",
+              stats, " element (from the forward), but got ", count.scalar_type(), " of shape ",
+              count.sizes());
   TORCH_CHECK(lse.device() == logits.device() && count.device() == logits.device(), op,
               ": lse is on ", lse.device(), " and count on ", count.device(), " but logits is on ",
               logits.device(), "; expected all tensors on one device");
@@ -99,17 +104,17 @@ void check_targets(const char* op, const at::Tensor& targets, int64_t vocab, int
 }  // namespace cross_entropy_internal
 
 using cross_entropy_internal::check_backward_inputs;
+using cross_entropy_internal::compute_type;
 using cross_entropy_internal::check_inputs;
 using cross_entropy_internal::check_targets;
 
 // ---------------------------------------------------------------------------
-// The composite (moved unchanged from models/qwen/model.cc: the model's numerics on the
-// CPU and for FP64 do not change).
+// The composite (moved from models/qwen/model.cc): FP32 math, FP64 for Double logits.
 
 at::Tensor causal_lm_cross_entropy_composite(const at::Tensor& logits, const at::Tensor& labels,
                                              int64_t ignore_index) {
   const int64_t T = logits.size(1), V = logits.size(2);
-  const at::Tensor scored = logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  const at::Tensor scored = logits.narrow(1, 0, T - 1).to(compute_type(logits)).reshape({-1, V});
   const at::Tensor targets = labels.narrow(1, 1, T - 1).to(at::kLong).reshape({-1});
   return at::cross_entropy_loss(scored, targets, /*weight=*/{}, at::Reduction::Mean, ignore_index);
 }
@@ -122,17 +127,18 @@ at::Tensor causal_lm_cross_entropy_composite(const at::Tensor& logits, const at:
 namespace {
 
 struct CpuScored {
-  at::Tensor scored;       // [B * (T - 1), V] FP32
+  at::Tensor scored;       // [B * (T - 1), V] FP32 (FP64 for Double logits)
   at::Tensor targets;      // [B * (T - 1)] int64
-  at::Tensor log_softmax;  // [B * (T - 1), V] FP32
+  at::Tensor log_softmax;  // [B * (T - 1), V] as scored
 };
 
 CpuScored cpu_scored(const at::Tensor& logits, const at::Tensor& labels) {
   const int64_t T = logits.size(1), V = logits.size(2);
+  const at::ScalarType ct = compute_type(logits);
   CpuScored s;
-  s.scored = logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  s.scored = logits.narrow(1, 0, T - 1).to(ct).reshape({-1, V});
   s.targets = labels.narrow(1, 1, T - 1).to(at::kLong).reshape({-1});
-  s.log_softmax = at::log_softmax(s.scored, 1, at::kFloat);
+  s.log_softmax = at::log_softmax(s.scored, 1, ct);
   return s;
 }
 
@@ -157,10 +163,11 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
   const CpuScored s = cpu_scored(logits, labels);
   const at::Tensor grad_nll =
-      at::nll_loss_backward(grad_loss.to(at::kFloat).reshape({}), s.log_softmax, s.targets,
-                            /*weight=*/{}, at::Reduction::Mean, ignore_index, count.reshape({}));
+      at::nll_loss_backward(grad_loss.to(s.scored.scalar_type()).reshape({}), s.log_softmax,
+                            s.targets, /*weight=*/{}, at::Reduction::Mean, ignore_index,
+                            count.reshape({}));
   const at::Tensor grad_scored =
-      at::_log_softmax_backward_data(grad_nll, s.log_softmax, 1, at::kFloat);
+      at::_log_softmax_backward_data(grad_nll, s.log_softmax, 1, s.scored.scalar_type());
   // The cast's backward, then narrow's (zeros with the slice copied in).
   at::Tensor grad = at::zeros({B, T, V}, logits.options());
   grad.narrow(1, 0, T - 1).copy_(grad_scored.reshape({B, T - 1, V}).to(logits.scalar_type()));

@@ -3,7 +3,8 @@
 //   loss = mean over the scored rows (b, t), t < T - 1, whose target y = labels[b, t + 1]
 //          is not ignore_index, of logsumexp(logits[b, t]) - logits[b, t, y]
 // the value of the composite (narrow to the first T - 1 positions, to(Float),
-// at::cross_entropy_loss with Mean reduction), as a 0-dim FP32 tensor. When every row is
+// at::cross_entropy_loss with Mean reduction), as a 0-dim FP32 tensor (Double logits on the
+// CPU: to(Double) and FP64 throughout, loss, lse and count included). When every row is
 // ignored the mean is 0 / 0 = NaN and the gradient is zero, like ATen's Mean reduction.
 // Logits: Float, Half or BFloat16 (Double on the CPU only), any batch / token strides; on
 // CUDA a vocab stride other than 1 costs one contiguous copy. Labels: any integral dtype.
@@ -53,8 +54,8 @@ at::Tensor causal_lm_cross_entropy(const at::Tensor& logits, const at::Tensor& l
 
 // The forward and backward ops alone (no autograd). lse: FP32 [B, T - 1], the logsumexp of
 // each scored row (0 on ignored rows on CUDA); count: 0-dim FP32, the number of counted
-// rows (ATen's total_weight). grad_loss: the upstream gradient, a one-element FP32 tensor
-// on the logits' device. grad_logits: [B, T, V] contiguous in the logits' dtype.
+// rows (ATen's total_weight); both FP64 for Double logits. grad_loss: the upstream
+// gradient, a one-element FP32 tensor on the logits' device. grad_logits: [B, T, V] contiguous in the logits' dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_lm_cross_entropy_forward(
     const at::Tensor& logits, const at::Tensor& labels,
     int64_t ignore_index);  // (loss, lse, count)

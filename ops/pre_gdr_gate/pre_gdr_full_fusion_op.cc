@@ -94,6 +94,10 @@ void check_pre_gdr_full_fusion_inputs(const at::Tensor& qkv, const at::Tensor& c
     TORCH_CHECK(t.device() == qkv.device(), "pre_gdr_full_fusion: ", name, " is on ", t.device(),
                 " but qkv is on ", qkv.device(), "; expected all tensors on one device");
   }
+  // The gate alone takes Double on the CPU (Note [Gate FP64 on the CPU]); this op does not.
+  TORCH_CHECK(!A_log.defined() || A_log.scalar_type() != at::kDouble,
+              "pre_gdr_full_fusion: expected A_log of dtype Float, Half or BFloat16 (the fused "
+              "op has no FP64 path) but got Double");
   gate_internal::check_forward_inputs(a, b, A_log, dt_bias);
 }
 

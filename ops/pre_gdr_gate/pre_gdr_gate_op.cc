@@ -29,7 +29,18 @@ namespace gate_internal {
 namespace {
 
 bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// One of the four inputs' dtype: Float, Half or BFloat16, or Double on the CPU (Note [Gate
+// FP64 on the CPU]).
+void check_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), "pre_gdr_gate: expected ", name,
+              " of dtype Float, Half or BFloat16 (or Double on the CPU), but got ",
+              t.scalar_type());
+  TORCH_CHECK(!t.is_cuda() || t.scalar_type() != at::kDouble, "pre_gdr_gate: ", name,
+              " is Double on ", t.device(),
+              "; the CUDA kernels take Float, Half or BFloat16 (Double runs on the CPU only)");
 }
 
 void check_activation(const at::Tensor& t, const char* name, const at::Tensor& A_log) {
@@ -56,9 +67,7 @@ void check_forward_inputs(const at::Tensor& a, const at::Tensor& b, const at::Te
   TORCH_CHECK(A_log.size(0) > 0, "pre_gdr_gate: A_log is empty; expected Hv >= 1 heads");
   TORCH_CHECK(dt_bias.sizes() == A_log.sizes(), "pre_gdr_gate: expected dt_bias of shape ",
               A_log.sizes(), " (same as A_log), but got ", dt_bias.sizes());
-  TORCH_CHECK(is_supported_dtype(A_log.scalar_type()),
-              "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16, but got ",
-              A_log.scalar_type());
+  check_dtype(A_log, "A_log");
   TORCH_CHECK(dt_bias.scalar_type() == A_log.scalar_type(),
               "pre_gdr_gate: expected dt_bias of dtype ", A_log.scalar_type(),
               " (same as A_log), but got ", dt_bias.scalar_type());
@@ -66,11 +75,19 @@ void check_forward_inputs(const at::Tensor& a, const at::Tensor& b, const at::Te
               " but A_log is on ", A_log.device(), "; expected all tensors on one device");
   check_activation(a, "a", A_log);
   check_activation(b, "b", A_log);
-  TORCH_CHECK(is_supported_dtype(a.scalar_type()),
-              "pre_gdr_gate: expected a of dtype Float, Half or BFloat16, but got ",
-              a.scalar_type());
+  check_dtype(a, "a");
   TORCH_CHECK(b.scalar_type() == a.scalar_type(), "pre_gdr_gate: expected b of dtype ",
               a.scalar_type(), " (same as a), but got ", b.scalar_type());
+  if (A_log.scalar_type() == at::kDouble) {
+    TORCH_CHECK(a.scalar_type() == at::kDouble,
+                "pre_gdr_gate: expected a of dtype Double (A_log is Double: an FP64 gate takes "
+                "all four inputs in Double), but got ",
+                a.scalar_type());
+  } else {
+    TORCH_CHECK(a.scalar_type() != at::kDouble, "pre_gdr_gate: expected a of dtype Float, Half or ",
+                "BFloat16 (A_log is ", A_log.scalar_type(),
+                "; a Double a needs Double A_log and dt_bias), but got Double");
+  }
   TORCH_CHECK(b.sizes() == a.sizes(), "pre_gdr_gate: expected b of shape ", a.sizes(),
               " (same as a), but got ", b.sizes());
 }
@@ -83,8 +100,14 @@ void check_backward_inputs(const at::Tensor& grad_g, const at::Tensor& grad_beta
        {std::pair<const at::Tensor&, const char*>{grad_g, "grad_g"},
         std::pair<const at::Tensor&, const char*>{grad_beta, "grad_beta"}}) {
     TORCH_CHECK(grad.defined(), "pre_gdr_gate_backward: ", name, " is undefined");
-    TORCH_CHECK(grad.scalar_type() == at::kFloat, "pre_gdr_gate_backward: expected ", name,
-                " of dtype Float (the outputs are FP32), but got ", grad.scalar_type());
+    if (a.scalar_type() == at::kDouble) {
+      TORCH_CHECK(grad.scalar_type() == at::kDouble, "pre_gdr_gate_backward: expected ", name,
+                  " of dtype Double (the outputs of Double inputs are FP64), but got ",
+                  grad.scalar_type());
+    } else {
+      TORCH_CHECK(grad.scalar_type() == at::kFloat, "pre_gdr_gate_backward: expected ", name,
+                  " of dtype Float (the outputs are FP32), but got ", grad.scalar_type());
+    }
     TORCH_CHECK(grad.sizes() == a.sizes(), "pre_gdr_gate_backward: expected ", name, " of shape ",
                 a.sizes(), " (same as a), but got ", grad.sizes());
     TORCH_CHECK(grad.device() == a.device(), "pre_gdr_gate_backward: ", name, " is on ",
@@ -242,12 +265,35 @@ TileSelection<kernels::GateTile> select_pre_gdr_gate_tile_cached(
 // ---------------------------------------------------------------------------
 // CPU implementation: the same scalar formulas (kernels/pre_gdr_gate/pre_gdr_gate_math.h) in FP32,
 // per-head sums accumulated in FP64 in token order (deterministic by construction).
+//
+// Note [Gate FP64 on the CPU]: Double inputs (a, b, A_log and dt_bias all Double; a mix is
+// an error) run the same code in FP64: FP64 formulas (the double overloads in
+// pre_gdr_gate_math.h), FP64 per-head sums in the same token order, and g, beta, da, db,
+// dA_log, ddt_bias in FP64. That is what end-to-end FP64 runs of the model need (the
+// Hugging Face parity test, tests/models/hf_parity_test.cc, and finite-difference checks).
+// The CUDA kernels have no FP64 path: Double on CUDA is refused by the argument checks.
+// Float, Half and BFloat16 inputs keep FP32 math and FP32 outputs, bit for bit as before.
 
 namespace {
 
-at::Tensor as_float_3d(const at::Tensor& t) {
-  at::Tensor f = t.to(at::kFloat).contiguous();
+// The compute type of a gate call: FP64 for Double inputs, FP32 otherwise.
+at::ScalarType gate_compute_type(const at::Tensor& a) {
+  return a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+at::Tensor as_3d(const at::Tensor& t, at::ScalarType type) {
+  at::Tensor f = t.to(type).contiguous();
   return f.dim() == 2 ? f.unsqueeze(0) : f;
+}
+
+template <typename T>
+void gate_forward_cpu_kernel(int64_t n, int64_t heads, const T* ap, const T* bp, const T* Ap,
+                             const T* dtp, T* gp, T* betap) {
+  for (int64_t e = 0; e < n; ++e) {
+    const int64_t h = e % heads;
+    gp[e] = -std::exp(Ap[h]) * kernels::gate_softplus(ap[e] + dtp[h]);
+    betap[e] = kernels::gate_sigmoid(bp[e]);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cpu(const at::Tensor& a,
@@ -255,68 +301,82 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cpu(const at::Tensor& a,
                                                             const at::Tensor& A_log,
                                                             const at::Tensor& dt_bias) {
   gate_internal::check_forward_inputs(a, b, A_log, dt_bias);
-  const at::Tensor af = as_float_3d(a), bf = as_float_3d(b);
-  const at::Tensor Af = A_log.to(at::kFloat).contiguous(),
-                   dtf = dt_bias.to(at::kFloat).contiguous();
-  at::Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat));
-  at::Tensor beta = at::empty(a.sizes(), a.options().dtype(at::kFloat));
+  const at::ScalarType ct = gate_compute_type(a);
+  const at::Tensor af = as_3d(a, ct), bf = as_3d(b, ct);
+  const at::Tensor Af = A_log.to(ct).contiguous(), dtf = dt_bias.to(ct).contiguous();
+  at::Tensor g = at::empty(a.sizes(), a.options().dtype(ct));
+  at::Tensor beta = at::empty(a.sizes(), a.options().dtype(ct));
   const int64_t heads = A_log.size(0);
   const int64_t n = af.numel();
-  const float* ap = af.data_ptr<float>();
-  const float* bp = bf.data_ptr<float>();
-  const float* Ap = Af.data_ptr<float>();
-  const float* dtp = dtf.data_ptr<float>();
-  float* gp = g.data_ptr<float>();
-  float* betap = beta.data_ptr<float>();
-  for (int64_t e = 0; e < n; ++e) {
-    const int64_t h = e % heads;
-    gp[e] = -std::exp(Ap[h]) * kernels::gate_softplus(ap[e] + dtp[h]);
-    betap[e] = kernels::gate_sigmoid(bp[e]);
+  if (ct == at::kDouble) {
+    gate_forward_cpu_kernel<double>(n, heads, af.data_ptr<double>(), bf.data_ptr<double>(),
+                                    Af.data_ptr<double>(), dtf.data_ptr<double>(),
+                                    g.data_ptr<double>(), beta.data_ptr<double>());
+  } else {
+    gate_forward_cpu_kernel<float>(n, heads, af.data_ptr<float>(), bf.data_ptr<float>(),
+                                   Af.data_ptr<float>(), dtf.data_ptr<float>(),
+                                   g.data_ptr<float>(), beta.data_ptr<float>());
   }
   return {g, beta};
+}
+
+// One pass over the elements in token order: da, db, and the per-head sums of dA_log and
+// ddt_bias accumulated in FP64.
+template <typename T>
+void gate_backward_cpu_kernel(int64_t n, int64_t heads, const T* ap, const T* bp, const T* dgp,
+                              const T* dbetap, const T* Ap, const T* dtp, T* dap, T* dbp,
+                              std::vector<double>& sum_A_log, std::vector<double>& sum_dt_bias) {
+  for (int64_t e = 0; e < n; ++e) {
+    const int64_t h = e % heads;
+    const T neg_exp_A = -std::exp(Ap[h]);
+    const T pre = ap[e] + dtp[h];
+    T softplus, softplus_grad;
+    kernels::gate_softplus_and_grad(pre, softplus, softplus_grad);
+    const T g = neg_exp_A * softplus;
+    const T da_value = dgp[e] * (neg_exp_A * softplus_grad);
+    const T beta = kernels::gate_sigmoid(bp[e]);
+    dap[e] = da_value;
+    dbp[e] = dbetap[e] * beta * (T(1) - beta);
+    sum_A_log[h] += static_cast<double>(dgp[e]) * static_cast<double>(g);
+    sum_dt_bias[h] += static_cast<double>(da_value);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward_cpu(
     const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& A_log, const at::Tensor& dt_bias) {
   gate_internal::check_backward_inputs(grad_g, grad_beta, a, b, A_log, dt_bias);
-  const at::Tensor af = as_float_3d(a), bf = as_float_3d(b);
-  const at::Tensor dgf = as_float_3d(grad_g), dbetaf = as_float_3d(grad_beta);
-  const at::Tensor Af = A_log.to(at::kFloat).contiguous(),
-                   dtf = dt_bias.to(at::kFloat).contiguous();
+  const at::ScalarType ct = gate_compute_type(a);
+  const at::Tensor af = as_3d(a, ct), bf = as_3d(b, ct);
+  const at::Tensor dgf = as_3d(grad_g, ct), dbetaf = as_3d(grad_beta, ct);
+  const at::Tensor Af = A_log.to(ct).contiguous(), dtf = dt_bias.to(ct).contiguous();
   const int64_t heads = A_log.size(0);
   const int64_t n = af.numel();
-  at::Tensor da = at::empty(a.sizes(), a.options().dtype(at::kFloat));
-  at::Tensor db = at::empty(a.sizes(), a.options().dtype(at::kFloat));
+  at::Tensor da = at::empty(a.sizes(), a.options().dtype(ct));
+  at::Tensor db = at::empty(a.sizes(), a.options().dtype(ct));
   std::vector<double> sum_A_log(heads, 0.0), sum_dt_bias(heads, 0.0);
-  const float* ap = af.data_ptr<float>();
-  const float* bp = bf.data_ptr<float>();
-  const float* dgp = dgf.data_ptr<float>();
-  const float* dbetap = dbetaf.data_ptr<float>();
-  const float* Ap = Af.data_ptr<float>();
-  const float* dtp = dtf.data_ptr<float>();
-  float* dap = da.data_ptr<float>();
-  float* dbp = db.data_ptr<float>();
-  for (int64_t e = 0; e < n; ++e) {
-    const int64_t h = e % heads;
-    const float neg_exp_A = -std::exp(Ap[h]);
-    const float pre = ap[e] + dtp[h];
-    float softplus, softplus_grad;
-    kernels::gate_softplus_and_grad(pre, softplus, softplus_grad);
-    const float g = neg_exp_A * softplus;
-    const float da_value = dgp[e] * (neg_exp_A * softplus_grad);
-    const float beta = kernels::gate_sigmoid(bp[e]);
-    dap[e] = da_value;
-    dbp[e] = dbetap[e] * beta * (1.0f - beta);
-    sum_A_log[h] += static_cast<double>(dgp[e]) * static_cast<double>(g);
-    sum_dt_bias[h] += static_cast<double>(da_value);
+  if (ct == at::kDouble) {
+    gate_backward_cpu_kernel<double>(n, heads, af.data_ptr<double>(), bf.data_ptr<double>(),
+                                     dgf.data_ptr<double>(), dbetaf.data_ptr<double>(),
+                                     Af.data_ptr<double>(), dtf.data_ptr<double>(),
+                                     da.data_ptr<double>(), db.data_ptr<double>(), sum_A_log,
+                                     sum_dt_bias);
+  } else {
+    gate_backward_cpu_kernel<float>(n, heads, af.data_ptr<float>(), bf.data_ptr<float>(),
+                                    dgf.data_ptr<float>(), dbetaf.data_ptr<float>(),
+                                    Af.data_ptr<float>(), dtf.data_ptr<float>(),
+                                    da.data_ptr<float>(), db.data_ptr<float>(), sum_A_log,
+                                    sum_dt_bias);
   }
-  at::Tensor sums = at::empty({2, heads}, A_log.options().dtype(at::kFloat));
-  float* sp = sums.data_ptr<float>();
+  // The sums rounded to the compute type (FP32: as the CUDA kernels store them), then to
+  // the parameters' dtype.
+  at::Tensor sums = at::empty({2, heads}, A_log.options().dtype(at::kDouble));
+  double* sp = sums.data_ptr<double>();
   for (int64_t h = 0; h < heads; ++h) {
-    sp[h] = static_cast<float>(sum_A_log[h]);
-    sp[heads + h] = static_cast<float>(sum_dt_bias[h]);
+    sp[h] = sum_A_log[h];
+    sp[heads + h] = sum_dt_bias[h];
   }
+  sums = sums.to(ct);
   return {da.to(a.scalar_type()), db.to(b.scalar_type()), sums[0].to(A_log.scalar_type()),
           sums[1].to(dt_bias.scalar_type())};
 }
@@ -367,10 +427,9 @@ class PreGdrGateFunction : public torch::autograd::Function<PreGdrGateFunction> 
     const ExecutionPolicyGuard policy = restore_execution_policy(ctx);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& a = saved[0];
-    at::Tensor grad_g =
-        grads[0].defined() ? grads[0] : at::zeros_like(a, a.options().dtype(at::kFloat));
-    at::Tensor grad_beta =
-        grads[1].defined() ? grads[1] : at::zeros_like(a, a.options().dtype(at::kFloat));
+    const auto out_options = a.options().dtype(gate_compute_type(a));
+    at::Tensor grad_g = grads[0].defined() ? grads[0] : at::zeros_like(a, out_options);
+    at::Tensor grad_beta = grads[1].defined() ? grads[1] : at::zeros_like(a, out_options);
     auto [da, db, dA_log, ddt_bias] =
         backward_op().call(grad_g, grad_beta, saved[0], saved[1], saved[2], saved[3]);
     return {da, db, dA_log, ddt_bias};
@@ -425,9 +484,10 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a, c
                                                           const at::Tensor& A_log,
                                                           const at::Tensor& dt_bias) {
   gate_internal::check_forward_inputs(a, b, A_log, dt_bias);
-  at::Tensor g =
-      -at::exp(A_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
-  at::Tensor beta = at::sigmoid(b.to(at::kFloat));
+  // FP32 math, or FP64 for Double inputs (Note [Gate FP64 on the CPU]).
+  const at::ScalarType ct = gate_compute_type(a);
+  at::Tensor g = -at::exp(A_log.to(ct)) * at::softplus(a.to(ct) + dt_bias.to(ct));
+  at::Tensor beta = at::sigmoid(b.to(ct));
   return {g, beta};
 }
 

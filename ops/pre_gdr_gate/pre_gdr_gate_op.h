@@ -3,7 +3,9 @@
 //   beta = sigmoid(b)                                   (FP32)
 // a, b: [B, S, Hv] or [T, Hv], FP32/FP16/BF16, same dtype, any strides (no copies are
 // made on CUDA). A_log, dt_bias: [Hv], FP32/FP16/BF16, same dtype. Outputs are
-// contiguous FP32 of a's shape. CUDA work runs on the current CUDA stream with scratch
+// contiguous FP32 of a's shape. On the CPU all four may instead be Double: FP64 math and
+// FP64 outputs (and gradients), for end-to-end FP64 runs (Note [Gate FP64 on the CPU] in
+// pre_gdr_gate_op.cc); Double on CUDA is an error (the kernels have no FP64 path). CUDA work runs on the current CUDA stream with scratch
 // from the caching allocator. On CUDA, g and beta are two non-overlapping tensors of one
 // allocation, as are da and db (and the backward's scratch); dA_log and ddt_bias share a
 // small allocation of their own (Note [Gate host path] in pre_gdr_gate_cuda.cc).
@@ -38,8 +40,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
     const at::Tensor& grad_g, const at::Tensor& grad_beta, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& A_log, const at::Tensor& dt_bias);
 
-// The unfused libtorch composition of the same formulas (autograd through ATen ops);
-// the `none` fusion level of the model and the reference of the tests.
+// The unfused libtorch composition of the same formulas (autograd through ATen ops), FP32
+// math (FP64 for Double inputs); the `none` fusion level of the model and the reference of
+// the tests.
 std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_composite(const at::Tensor& a, const at::Tensor& b,
                                                           const at::Tensor& A_log,
                                                           const at::Tensor& dt_bias);

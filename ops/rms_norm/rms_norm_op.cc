@@ -106,14 +106,21 @@ using rms_norm_internal::check_forward_inputs;
 using rms_norm_internal::check_same_as_x;
 
 // ---------------------------------------------------------------------------
-// The compositions (moved unchanged from models/qwen/layers.cc: the model's numerics on
-// the CPU and for FP64 do not change).
+// The compositions (moved from models/qwen/layers.cc): FP32 math, FP64 for Double inputs.
+
+namespace {
+// FP64 inputs stay FP64 (end-to-end FP64 runs, finite-difference tests); otherwise FP32.
+at::ScalarType compute_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+}  // namespace
 
 at::Tensor zero_centered_rms_norm_composite(const at::Tensor& x, const at::Tensor& weight,
                                             double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
+  const at::ScalarType ct = compute_type(x);
+  const at::Tensor xf = x.to(ct);
   const at::Tensor normed = xf * (xf.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
-  return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return (normed * (weight.to(ct) + 1.0)).to(x.scalar_type());
 }
 
 at::Tensor gated_rms_norm_composite(const at::Tensor& o, const at::Tensor& z,
@@ -121,8 +128,7 @@ at::Tensor gated_rms_norm_composite(const at::Tensor& o, const at::Tensor& z,
                                     at::ScalarType out_dtype) {
   TORCH_CHECK(o.sizes() == z.sizes(), "gated_rms_norm: expected z of shape ", o.sizes(),
               " (same as o) but got ", z.sizes());
-  // FP64 inputs stay FP64 so finite-difference tests can be tight; otherwise FP32.
-  const at::ScalarType ct = o.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType ct = compute_type(o);
   const at::Tensor of = o.to(ct);
   const at::Tensor normed = of * (of.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
   return (normed * weight.to(ct) * at::silu(z.to(ct))).to(out_dtype);
@@ -134,19 +140,16 @@ at::Tensor gated_rms_norm_composite(const at::Tensor& o, const at::Tensor& z,
 
 namespace {
 
-at::ScalarType gated_compute_type(const at::Tensor& o) {
-  return o.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // Sum over every row of a [..., D] tensor: [D].
 at::Tensor sum_rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}).sum(0); }
 
 std::tuple<at::Tensor, at::Tensor> zero_centered_forward_cpu(const at::Tensor& x,
                                                              const at::Tensor& weight, double eps) {
   check_forward_inputs("zero_centered_rms_norm", x, "x", nullptr, weight);
-  const at::Tensor xf = x.to(at::kFloat);
+  const at::ScalarType ct = compute_type(x);
+  const at::Tensor xf = x.to(ct);
   const at::Tensor rstd = (xf.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
-  const at::Tensor y = (xf * rstd * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  const at::Tensor y = (xf * rstd * (weight.to(ct) + 1.0)).to(x.scalar_type());
   return {y, rstd.squeeze(-1)};
 }
 
@@ -155,10 +158,11 @@ std::tuple<at::Tensor, at::Tensor> zero_centered_backward_cpu(const at::Tensor& 
                                                               const at::Tensor& weight,
                                                               const at::Tensor& rstd) {
   check_backward_inputs("zero_centered_rms_norm_backward", grad_y, x, "x", nullptr, weight, rstd);
-  const at::Tensor r = rstd.to(at::kFloat).unsqueeze(-1);
-  const at::Tensor n = x.to(at::kFloat) * r;
-  const at::Tensor g = grad_y.to(at::kFloat);
-  const at::Tensor dn = g * (weight.to(at::kFloat) + 1.0);
+  const at::ScalarType ct = compute_type(x);
+  const at::Tensor r = rstd.to(ct).unsqueeze(-1);
+  const at::Tensor n = x.to(ct) * r;
+  const at::Tensor g = grad_y.to(ct);
+  const at::Tensor dn = g * (weight.to(ct) + 1.0);
   const at::Tensor dx = r * (dn - n * (dn * n).mean(-1, /*keepdim=*/true));
   return {dx.to(x.scalar_type()), sum_rows(g * n).to(weight.scalar_type())};
 }
@@ -167,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> gated_forward_cpu(const at::Tensor& o, const 
                                                      const at::Tensor& weight, double eps,
                                                      at::ScalarType out_dtype) {
   check_forward_inputs("gated_rms_norm", o, "o", &z, weight);
-  const at::ScalarType ct = gated_compute_type(o);
+  const at::ScalarType ct = compute_type(o);
   const at::Tensor of = o.to(ct);
   const at::Tensor rstd = (of.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt();
   const at::Tensor y = (of * rstd * weight.to(ct) * at::silu(z.to(ct))).to(out_dtype);
@@ -180,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_backward_cpu(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   const at::Tensor& rstd) {
   check_backward_inputs("gated_rms_norm_backward", grad_y, o, "o", &z, weight, rstd);
-  const at::ScalarType ct = gated_compute_type(o);
+  const at::ScalarType ct = compute_type(o);
   const at::Tensor r = rstd.to(ct).unsqueeze(-1);
   const at::Tensor n = o.to(ct) * r;
   const at::Tensor zf = z.to(ct);

@@ -32,8 +32,9 @@ void check_inputs(const char* op, const at::Tensor& x, const char* x_name, const
                 op, ": expected ", name, " of shape [T, rotary_dim] with T = ", x.size(2),
                 " and an even rotary_dim in [2, ", x.size(3), "], but got ",
                 table->defined() ? table->sizes() : at::IntArrayRef());
-    TORCH_CHECK(table->scalar_type() == at::kFloat && table->device() == x.device(), op,
-                ": expected ", name, " of dtype Float on ", x.device(), " but got ",
+    const at::ScalarType table_type = t == at::kDouble ? at::kDouble : at::kFloat;
+    TORCH_CHECK(table->scalar_type() == table_type && table->device() == x.device(), op,
+                ": expected ", name, " of dtype ", table_type, " on ", x.device(), " but got ",
                 table->scalar_type(), " on ", table->device());
   }
   TORCH_CHECK(sin.sizes() == cos.sizes(), op, ": expected sin of cos's shape ", cos.sizes(),
@@ -46,13 +47,14 @@ using rope_internal::check_inputs;
 
 std::tuple<at::Tensor, at::Tensor> rope_tables(int64_t tokens, int64_t rotary_dim, double theta,
                                                const at::TensorOptions& options) {
-  const auto f32 = options.dtype(at::kFloat);
-  const at::Tensor inv_freq = at::arange(0, rotary_dim, 2, f32)
+  const bool fp64 = options.has_dtype() && options.dtype() == at::kDouble;
+  const auto type = options.dtype(fp64 ? at::kDouble : at::kFloat);
+  const at::Tensor inv_freq = at::arange(0, rotary_dim, 2, type)
                                   .div(static_cast<double>(rotary_dim))
                                   .mul(-std::log(theta))
                                   .exp();
-  const at::Tensor freqs = at::arange(tokens, f32).outer(inv_freq);  // [T, rotary_dim / 2]
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);             // [T, rotary_dim]
+  const at::Tensor freqs = at::arange(tokens, type).outer(inv_freq);  // [T, rotary_dim / 2]
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);              // [T, rotary_dim]
   return {angles.cos(), angles.sin()};
 }
 
@@ -67,7 +69,7 @@ void check_rope_args(const char* op, const at::Tensor& x, int64_t rotary_dim) {
 // The composite's formula on x with the tables given (autograd through ATen ops).
 at::Tensor rope_with_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rotary_dim = cos.size(1), half = rotary_dim / 2;
-  const at::Tensor rot = x.narrow(-1, 0, rotary_dim).to(at::kFloat);
+  const at::Tensor rot = x.narrow(-1, 0, rotary_dim).to(cos.scalar_type());
   const at::Tensor pass = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
   const at::Tensor rotated_half =
       at::cat({-rot.narrow(-1, half, half), rot.narrow(-1, 0, half)}, -1);
@@ -97,7 +99,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 at::Tensor backward_cpu(const at::Tensor& grad_y, const at::Tensor& cos, const at::Tensor& sin) {
   check_inputs("rope_backward", grad_y, "grad_y", cos, sin);
   const int64_t rotary_dim = cos.size(1), half = rotary_dim / 2;
-  const at::Tensor g = grad_y.narrow(-1, 0, rotary_dim).to(at::kFloat);
+  const at::Tensor g = grad_y.narrow(-1, 0, rotary_dim).to(cos.scalar_type());
   const at::Tensor g_sin = g * sin;
   const at::Tensor moved = at::cat({g_sin.narrow(-1, half, half), -g_sin.narrow(-1, 0, half)}, -1);
   const at::Tensor d_rot = (g * cos + moved).to(grad_y.scalar_type());

@@ -1,6 +1,7 @@
 // Fused partial rotary position embedding (rotate-half RoPE on the first `rotary_dim`
 // channels) of x [B, H, T, hd], positions 0..T-1, inv_freq = theta^(-2i/rotary_dim): the
-// gated attention's q and k. Math in FP32, result in x's dtype.
+// gated attention's q and k. Math in FP32 (FP64 for Double x, CPU only), result in x's
+// dtype.
 //
 // partial_rope_composite is the ATen composition (narrows, a cast, a negation, cats,
 // products and a sum: the reference, the model's path on the CPU). The fused op runs one
@@ -24,7 +25,9 @@
 
 namespace gdr {
 
-// cos and sin [T, rotary_dim] (FP32, x's device), computed by the composite's ATen ops.
+// cos and sin [T, rotary_dim] (FP32, or FP64 when `options` say Double; on the options'
+// device), computed by the composite's ATen ops. The ops take FP64 tables with Double x
+// only and FP32 tables otherwise.
 std::tuple<at::Tensor, at::Tensor> rope_tables(int64_t tokens, int64_t rotary_dim, double theta,
                                                const at::TensorOptions& options);
 

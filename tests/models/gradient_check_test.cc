@@ -88,8 +88,27 @@ TEST(GradientCheck, GatedRmsNormMatchesFiniteDifferences) {
   EXPECT_TRUE(check_gradients(f, leaves));
 }
 
-// The gate op accepts FP32/FP16/BF16 only, so this check runs in FP32 with a larger step
-// and tolerance (central-difference error ~ eps^2, rounding ~ 1e-7 / eps).
+// The same check in FP64 for the CPU op and the composite (Note [Gate FP64 on the CPU]).
+TEST(GradientCheck, PreGdrGateOpAndCompositeMatchFiniteDifferencesInFp64) {
+  at::manual_seed(24);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const std::vector<at::Tensor> leaves = {
+      leaf(at::randn({2, 3, 4}, f64)), leaf(at::randn({2, 3, 4}, f64)),
+      leaf(at::log(at::rand({4}, f64) * 15.99 + 0.01)), leaf(1.0 + 0.1 * at::randn({4}, f64))};
+  const at::Tensor w_g = at::randn({2, 3, 4}, f64), w_beta = at::randn({2, 3, 4}, f64);
+  for (const bool fused : {true, false}) {
+    auto f = [&](const std::vector<at::Tensor>& x) {
+      const auto [g, beta] = fused ? pre_gdr_gate(x[0], x[1], x[2], x[3])
+                                   : pre_gdr_gate_composite(x[0], x[1], x[2], x[3]);
+      EXPECT_EQ(g.scalar_type(), at::kDouble);
+      return ((g / 16.0) * w_g).sum() + (beta * w_beta).sum();
+    };
+    EXPECT_TRUE(check_gradients(f, leaves)) << (fused ? "the CPU op" : "the composite");
+  }
+}
+
+// FP32, with a larger step and tolerance (central-difference error ~ eps^2, rounding
+// ~ 1e-7 / eps).
 TEST(GradientCheck, PreGdrGateCompositeMatchesFiniteDifferencesInFp32) {
   at::manual_seed(23);
   const std::vector<at::Tensor> leaves = {leaf(at::randn({2, 3, 4})), leaf(at::randn({2, 3, 4})),

@@ -261,7 +261,8 @@ TEST(FullFusionOpErrors, NameTheArgumentTheExpectedAndTheActualValue) {
     OpInputs x;
     x.A_log = at::zeros({4}).to(at::kDouble);
     EXPECT_EQ(error_of(x),
-              "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16, but got Double");
+              "pre_gdr_full_fusion: expected A_log of dtype Float, Half or BFloat16 (the fused "
+              "op has no FP64 path) but got Double");
   }
 }
 

@@ -565,6 +565,56 @@ TEST(GateMath, IndependentCheckFromTheSpecInDouble) {
   }
 }
 
+// Note [Gate FP64 on the CPU]: Double inputs run FP64 math and give FP64 outputs and
+// gradients, within FP64 rounding of the composite's autograd in every softplus regime and
+// of the spec's formulas.
+TEST(GateMath, DoubleInputsOnTheCpuComputeInFp64) {
+  at::manual_seed(4321);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  for (const double offset : {0.0, 24.0, -40.0}) {
+    const at::Tensor a = at::randn({2, 37, 4}, f64) * 2 + offset;
+    const at::Tensor b = at::randn({2, 37, 4}, f64) * 3;
+    const at::Tensor A_log = at::log(at::rand({4}, f64) * 15.99 + 0.01);
+    const at::Tensor dt_bias = at::randn({4}, f64) * 0.5 + 1;
+    const at::Tensor grad_g = at::randn({2, 37, 4}, f64), grad_beta = at::randn({2, 37, 4}, f64);
+    auto run = [&](bool fused) {
+      at::Tensor a_ = a.detach().requires_grad_(true), b_ = b.detach().requires_grad_(true);
+      at::Tensor A_ = A_log.detach().requires_grad_(true),
+                 dt_ = dt_bias.detach().requires_grad_(true);
+      auto [g, beta] =
+          fused ? pre_gdr_gate(a_, b_, A_, dt_) : pre_gdr_gate_composite(a_, b_, A_, dt_);
+      auto grads = torch::autograd::grad({g, beta}, {a_, b_, A_, dt_}, {grad_g, grad_beta});
+      return std::vector<at::Tensor>{g, beta, grads[0], grads[1], grads[2], grads[3]};
+    };
+    const auto fused = run(true);
+    const auto reference = run(false);
+    const char* names[] = {"g", "beta", "da", "db", "dA_log", "ddt_bias"};
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_EQ(fused[i].scalar_type(), at::kDouble) << names[i];
+      EXPECT_EQ(reference[i].scalar_type(), at::kDouble) << names[i];
+      const double scale = reference[i].abs().max().item<double>() + 1e-300;
+      // A few FP64 ulps (libm vs ATen's vectorised exp / log1p; sums of 74 terms).
+      EXPECT_LE((fused[i] - reference[i]).abs().max().item<double>(), 1e-14 * scale)
+          << names[i] << " at offset " << offset;
+    }
+  }
+  // And the spec's formulas in FP64, element by element.
+  const at::Tensor a = at::tensor({-50.0, -1.0, 0.0, 0.5, 19.5, 21.0}, f64).reshape({3, 2});
+  const at::Tensor b = at::tensor({-3.0, 0.0, 1.0, 2.0, -0.5, 4.0}, f64).reshape({3, 2});
+  const at::Tensor A_log = at::tensor({0.3, -1.2}, f64), dt_bias = at::tensor({1.0, -0.25}, f64);
+  auto [g, beta] = pre_gdr_gate(a, b, A_log, dt_bias);
+  for (int t = 0; t < 3; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const double pre = a[t][h].item<double>() + dt_bias[h].item<double>();
+      const double sp = pre > 20 ? pre : std::log1p(std::exp(pre));
+      const double expect_g = -std::exp(A_log[h].item<double>()) * sp;
+      const double expect_beta = 1.0 / (1.0 + std::exp(-b[t][h].item<double>()));
+      EXPECT_NEAR(g[t][h].item<double>(), expect_g, 1e-15 * std::max(1.0, std::abs(expect_g)));
+      EXPECT_NEAR(beta[t][h].item<double>(), expect_beta, 1e-16);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Error messages at the op boundary.
 
@@ -579,12 +629,23 @@ TEST(GateErrors, BadInputsAreRefusedWithMessagesNamingTheArgument) {
   const at::Tensor A = at::zeros({4});
   const at::Tensor g = at::zeros({2, 3, 4});
   const std::vector<ErrorCase> cases = {
-      {"double input", [&] { pre_gdr_gate(a.to(at::kDouble), a.to(at::kDouble), A, A); },
-       "pre_gdr_gate: expected a of dtype Float, Half or BFloat16, but got Double"},
+      {"double input, float params",
+       [&] {
+         pre_gdr_gate(a.to(at::kDouble), a.to(at::kDouble), A, A);
+       },
+       "pre_gdr_gate: expected a of dtype Float, Half or BFloat16 (A_log is Float; a Double a "
+       "needs Double A_log and dt_bias), but got Double"},
+      {"double params, float input",
+       [&] {
+         pre_gdr_gate(a, a, A.to(at::kDouble), A.to(at::kDouble));
+       },
+       "pre_gdr_gate: expected a of dtype Double (A_log is Double: an FP64 gate takes all four "
+       "inputs in Double), but got Float"},
       {"mixed a/b dtype", [&] { pre_gdr_gate(a, a.to(at::kBFloat16), A, A); },
        "pre_gdr_gate: expected b of dtype Float (same as a), but got BFloat16"},
       {"int params", [&] { pre_gdr_gate(a, a, A.to(at::kInt), A.to(at::kInt)); },
-       "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16, but got Int"},
+       "pre_gdr_gate: expected A_log of dtype Float, Half or BFloat16 (or Double on the CPU), but "
+       "got Int"},
       {"mixed param dtype", [&] { pre_gdr_gate(a, a, A, A.to(at::kBFloat16)); },
        "pre_gdr_gate: expected dt_bias of dtype Float (same as A_log), but got BFloat16"},
       {"4-D a", [&] { pre_gdr_gate(a.unsqueeze(0), a.unsqueeze(0), A, A); },
@@ -620,6 +681,13 @@ TEST(GateErrors, BadInputsAreRefusedWithMessagesNamingTheArgument) {
       {"grad dtype", [&] { pre_gdr_gate_backward(g.to(at::kBFloat16), g, a, a, A, A); },
        "pre_gdr_gate_backward: expected grad_g of dtype Float (the outputs are FP32), but got "
        "BFloat16"},
+      {"float grad of double inputs",
+       [&] {
+         const at::Tensor ad = a.to(at::kDouble), Ad = A.to(at::kDouble);
+         pre_gdr_gate_backward(g, g.to(at::kDouble), ad, ad, Ad, Ad);
+       },
+       "pre_gdr_gate_backward: expected grad_g of dtype Double (the outputs of Double inputs are "
+       "FP64), but got Float"},
       {"grad shape",
        [&] {
          pre_gdr_gate_backward(g, at::zeros({6, 4}), a, a, A, A);
