@@ -104,9 +104,9 @@ void check_targets(const char* op, const at::Tensor& targets, int64_t vocab, int
 }  // namespace cross_entropy_internal
 
 using cross_entropy_internal::check_backward_inputs;
-using cross_entropy_internal::compute_type;
 using cross_entropy_internal::check_inputs;
 using cross_entropy_internal::check_targets;
+using cross_entropy_internal::compute_type;
 
 // ---------------------------------------------------------------------------
 // The composite (moved from models/qwen/model.cc): FP32 math, FP64 for Double logits.
@@ -162,10 +162,9 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
   check_backward_inputs("causal_lm_cross_entropy_backward", grad_loss, logits, labels, lse, count);
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
   const CpuScored s = cpu_scored(logits, labels);
-  const at::Tensor grad_nll =
-      at::nll_loss_backward(grad_loss.to(s.scored.scalar_type()).reshape({}), s.log_softmax,
-                            s.targets, /*weight=*/{}, at::Reduction::Mean, ignore_index,
-                            count.reshape({}));
+  const at::Tensor grad_nll = at::nll_loss_backward(
+      grad_loss.to(s.scored.scalar_type()).reshape({}), s.log_softmax, s.targets, /*weight=*/{},
+      at::Reduction::Mean, ignore_index, count.reshape({}));
   const at::Tensor grad_scored =
       at::_log_softmax_backward_data(grad_nll, s.log_softmax, 1, s.scored.scalar_type());
   // The cast's backward, then narrow's (zeros with the slice copied in).

@@ -55,7 +55,8 @@ at::Tensor causal_lm_cross_entropy(const at::Tensor& logits, const at::Tensor& l
 // The forward and backward ops alone (no autograd). lse: FP32 [B, T - 1], the logsumexp of
 // each scored row (0 on ignored rows on CUDA); count: 0-dim FP32, the number of counted
 // rows (ATen's total_weight); both FP64 for Double logits. grad_loss: the upstream
-// gradient, a one-element FP32 tensor on the logits' device. grad_logits: [B, T, V] contiguous in the logits' dtype.
+// gradient, a one-element FP32 tensor on the logits' device. grad_logits: [B, T, V] contiguous in
+// the logits' dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_lm_cross_entropy_forward(
     const at::Tensor& logits, const at::Tensor& labels,
     int64_t ignore_index);  // (loss, lse, count)

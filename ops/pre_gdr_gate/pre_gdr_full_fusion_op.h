@@ -12,7 +12,8 @@
 // the unfused composition stores them, so the two agree to FP32 summation order.
 // g/beta: the pre-GDR gate (ops/pre_gdr_gate/pre_gdr_gate_op.h), FP32.
 // dtypes: qkv and conv_weight FP32, FP16 or BF16 (the same); a/b/A_log/dt_bias as the gate
-// op takes them on CUDA (not Double). qkv may have any batch / token strides (its channel stride is made 1).
+// op takes them on CUDA (not Double). qkv may have any batch / token strides (its channel stride is
+// made 1).
 //
 // Backward (autograd or pre_gdr_full_fusion_backward): grad_qkv in qkv's dtype
 // (contiguous), grad_conv_weight in conv_weight's dtype (FP32 accumulation), the gate's

@@ -314,8 +314,8 @@ std::tuple<at::Tensor, at::Tensor> pre_gdr_gate_forward_cpu(const at::Tensor& a,
                                     g.data_ptr<double>(), beta.data_ptr<double>());
   } else {
     gate_forward_cpu_kernel<float>(n, heads, af.data_ptr<float>(), bf.data_ptr<float>(),
-                                   Af.data_ptr<float>(), dtf.data_ptr<float>(),
-                                   g.data_ptr<float>(), beta.data_ptr<float>());
+                                   Af.data_ptr<float>(), dtf.data_ptr<float>(), g.data_ptr<float>(),
+                                   beta.data_ptr<float>());
   }
   return {g, beta};
 }
@@ -356,17 +356,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pre_gdr_gate_backward
   at::Tensor db = at::empty(a.sizes(), a.options().dtype(ct));
   std::vector<double> sum_A_log(heads, 0.0), sum_dt_bias(heads, 0.0);
   if (ct == at::kDouble) {
-    gate_backward_cpu_kernel<double>(n, heads, af.data_ptr<double>(), bf.data_ptr<double>(),
-                                     dgf.data_ptr<double>(), dbetaf.data_ptr<double>(),
-                                     Af.data_ptr<double>(), dtf.data_ptr<double>(),
-                                     da.data_ptr<double>(), db.data_ptr<double>(), sum_A_log,
-                                     sum_dt_bias);
+    gate_backward_cpu_kernel<double>(
+        n, heads, af.data_ptr<double>(), bf.data_ptr<double>(), dgf.data_ptr<double>(),
+        dbetaf.data_ptr<double>(), Af.data_ptr<double>(), dtf.data_ptr<double>(),
+        da.data_ptr<double>(), db.data_ptr<double>(), sum_A_log, sum_dt_bias);
   } else {
-    gate_backward_cpu_kernel<float>(n, heads, af.data_ptr<float>(), bf.data_ptr<float>(),
-                                    dgf.data_ptr<float>(), dbetaf.data_ptr<float>(),
-                                    Af.data_ptr<float>(), dtf.data_ptr<float>(),
-                                    da.data_ptr<float>(), db.data_ptr<float>(), sum_A_log,
-                                    sum_dt_bias);
+    gate_backward_cpu_kernel<float>(
+        n, heads, af.data_ptr<float>(), bf.data_ptr<float>(), dgf.data_ptr<float>(),
+        dbetaf.data_ptr<float>(), Af.data_ptr<float>(), dtf.data_ptr<float>(), da.data_ptr<float>(),
+        db.data_ptr<float>(), sum_A_log, sum_dt_bias);
   }
   // The sums rounded to the compute type (FP32: as the CUDA kernels store them), then to
   // the parameters' dtype.

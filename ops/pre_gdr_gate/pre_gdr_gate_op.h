@@ -5,10 +5,11 @@
 // made on CUDA). A_log, dt_bias: [Hv], FP32/FP16/BF16, same dtype. Outputs are
 // contiguous FP32 of a's shape. On the CPU all four may instead be Double: FP64 math and
 // FP64 outputs (and gradients), for end-to-end FP64 runs (Note [Gate FP64 on the CPU] in
-// pre_gdr_gate_op.cc); Double on CUDA is an error (the kernels have no FP64 path). CUDA work runs on the current CUDA stream with scratch
-// from the caching allocator. On CUDA, g and beta are two non-overlapping tensors of one
-// allocation, as are da and db (and the backward's scratch); dA_log and ddt_bias share a
-// small allocation of their own (Note [Gate host path] in pre_gdr_gate_cuda.cc).
+// pre_gdr_gate_op.cc); Double on CUDA is an error (the kernels have no FP64 path). CUDA work runs
+// on the current CUDA stream with scratch from the caching allocator. On CUDA, g and beta are two
+// non-overlapping tensors of one allocation, as are da and db (and the backward's scratch); dA_log
+// and ddt_bias share a small allocation of their own (Note [Gate host path] in
+// pre_gdr_gate_cuda.cc).
 //
 // Backward (through autograd or pre_gdr_gate_backward): da/db in the dtype of a/b,
 // dA_log/ddt_bias in the parameters' dtype. On CUDA the per-head sums use atomics and a

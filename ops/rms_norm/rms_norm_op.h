@@ -1,9 +1,9 @@
 // Fused RMSNorm ops for the two norms of the Qwen3.5 model, over the last dim (D):
 //   zero-centred: y = x * rsqrt(mean(x^2) + eps) * (1 + w)        result in x's dtype
 //   gated:        y = (o * rsqrt(mean(o^2) + eps)) * w * silu(z)   result in out_dtype
-// FP32 math for FP32/FP16/BF16 storage, FP64 math for Double (CPU only). x, o, z: [..., D] with any strides (on CUDA, rows
-// are read in place when the last dim is contiguous and the leading dims collapse to at
-// most 4; otherwise one contiguous copy is made); weight: [D]; z has o's shape.
+// FP32 math for FP32/FP16/BF16 storage, FP64 math for Double (CPU only). x, o, z: [..., D] with any
+// strides (on CUDA, rows are read in place when the last dim is contiguous and the leading dims
+// collapse to at most 4; otherwise one contiguous copy is made); weight: [D]; z has o's shape.
 //
 // CPU implementation: the libtorch compositions below (the references), forward
 // bit-for-bit, backward as the analytic formula in ATen. CUDA implementation: the kernels

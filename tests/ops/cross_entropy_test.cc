@@ -82,9 +82,12 @@ TEST_P(CrossEntropyCpu, LossAndGradientEqualTheCompositeBitForBit) {
       << loss.item<float>() << " vs " << ref_loss.item<float>();
   EXPECT_TRUE(bitwise_equal(grad, ref_grad));
   EXPECT_EQ(grad.scalar_type(), c.dtype);
-  // The composite is at::cross_entropy_loss on the FP32 copy of the scored positions.
+  // The composite is at::cross_entropy_loss on the FP32 copy of the scored positions (FP64
+  // for Double logits).
+  const at::ScalarType math = c.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  EXPECT_EQ(loss.scalar_type(), math);
   const at::Tensor direct = at::cross_entropy_loss(
-      p.logits.narrow(1, 0, c.T - 1).to(at::kFloat).reshape({-1, c.V}),
+      p.logits.narrow(1, 0, c.T - 1).to(math).reshape({-1, c.V}),
       p.labels.narrow(1, 1, c.T - 1).reshape({-1}), {}, at::Reduction::Mean, kIgnore);
   EXPECT_TRUE(bitwise_equal(loss, direct));
 }

@@ -630,15 +630,11 @@ TEST(GateErrors, BadInputsAreRefusedWithMessagesNamingTheArgument) {
   const at::Tensor g = at::zeros({2, 3, 4});
   const std::vector<ErrorCase> cases = {
       {"double input, float params",
-       [&] {
-         pre_gdr_gate(a.to(at::kDouble), a.to(at::kDouble), A, A);
-       },
+       [&] { pre_gdr_gate(a.to(at::kDouble), a.to(at::kDouble), A, A); },
        "pre_gdr_gate: expected a of dtype Float, Half or BFloat16 (A_log is Float; a Double a "
        "needs Double A_log and dt_bias), but got Double"},
       {"double params, float input",
-       [&] {
-         pre_gdr_gate(a, a, A.to(at::kDouble), A.to(at::kDouble));
-       },
+       [&] { pre_gdr_gate(a, a, A.to(at::kDouble), A.to(at::kDouble)); },
        "pre_gdr_gate: expected a of dtype Double (A_log is Double: an FP64 gate takes all four "
        "inputs in Double), but got Float"},
       {"mixed a/b dtype", [&] { pre_gdr_gate(a, a.to(at::kBFloat16), A, A); },

@@ -529,6 +529,19 @@ TEST_F(GateGpuTest, SinglePassWithATileUnder256ThreadsIsRefused) {
   }
 }
 
+// Note [Gate FP64 on the CPU]: the CPU op takes Double, the CUDA kernels do not.
+TEST_F(GateGpuTest, DoubleOnCudaIsRefusedSayingTheKernelsHaveNoFp64Path) {
+  const Inputs x = make_inputs(1, 10, 4, at::kDouble, at::kDouble);
+  try {
+    pre_gdr_gate(x.a, x.b, x.A_log, x.dt_bias);
+    ADD_FAILURE() << "Double on CUDA must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "pre_gdr_gate: A_log is Double on cuda:0; the CUDA kernels take Float, Half or "
+              "BFloat16 (Double runs on the CPU only)");
+  }
+}
+
 TEST_F(GateGpuTest, CapturedSinglePassReplaysOnAnotherStreamBesideEagerCalls) {
   // A captured launch owns its ticket counter: replaying the graph on a second stream
   // while eager calls run on the capture stream must not mix their tickets.

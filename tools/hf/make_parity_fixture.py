@@ -21,7 +21,9 @@ Writes into --out:
       parameter, FP64; hf_fp32_error.<name> / hf_fp32_error.logits / hf_fp32_error.loss
       [2] FP64 = (max |transformers FP32 - reference|, max |reference|)
   errors.json          the same error figures, readable, plus the ones of transformers'
-                       stock code run in FP64 (see "FP64 reference" below)
+                       stock code run in FP64 (see "FP64 reference" below) and, per head,
+                       how ill-conditioned the sums behind the A_log and dt_bias gradients
+                       are (sum |terms| / |sum|) with transformers' FP32 relative error
 
 FP64 reference: transformers' Qwen3.5 code casts to FP32 in several places (the rotary
 tables, RMSNorm, the gate, the GDR core, the attention softmax, the loss), so a model
@@ -164,6 +166,57 @@ def run(model, input_ids):
     return logits.detach(), loss.detach(), grads
 
 
+class GateTerms:
+    """Records, during one FP64 run, the per-token terms whose per-head sums are the gate's
+    parameter gradients: d loss / d A_log[h] = sum over (b, t) of dL/dg * g = dL/dsp * sp
+    (sp = softplus(a + dt_bias), g = -exp(A_log) sp) and d loss / d dt_bias[h] = sum of
+    dL/da. Wraps the FP64 module's softplus (the gate's only one) and hooks in_proj_a."""
+
+    def __init__(self, module, model):
+        self.softplus_outputs, self.a_outputs, self.layers = [], [], []
+        real_functional = module.F
+        recorder = self
+
+        class Functional:
+            def __getattr__(self, name):
+                return getattr(real_functional, name)
+
+            def softplus(self, x, *args, **kwargs):
+                y = real_functional.softplus(x, *args, **kwargs)
+                y.retain_grad()
+                recorder.softplus_outputs.append(y)
+                return y
+
+        module.F = Functional()
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer, "linear_attn"):
+                self.layers.append(i)
+                layer.linear_attn.in_proj_a.register_forward_hook(self._keep_a)
+
+    def _keep_a(self, module, inputs, output):
+        output.retain_grad()
+        self.a_outputs.append(output)
+
+    def conditioning(self, grads, fp32_grads):
+        """Per layer and head: the sum, sum |terms| / |sum| and transformers' FP32 relative
+        error, for A_log and dt_bias."""
+        out = {}
+        for k, layer in enumerate(self.layers):
+            sp, a = self.softplus_outputs[k], self.a_outputs[k]
+            for param, terms in (("A_log", sp.grad * sp), ("dt_bias", a.grad)):
+                name = f"model.layers.{layer}.linear_attn.{param}"
+                terms = terms.reshape(-1, terms.shape[-1])
+                total = terms.sum(0)
+                assert torch.allclose(total, grads[name], rtol=1e-12, atol=0), name
+                out[name] = {
+                    "gradient": total.tolist(),
+                    "sum_abs_terms_over_abs_sum": (terms.abs().sum(0) / total.abs()).tolist(),
+                    "hf_fp32_relative_error":
+                        ((fp32_grads[name].double() - total).abs() / total.abs()).tolist(),
+                }
+        return out
+
+
 def max_abs(t):
     return t.abs().max().item()
 
@@ -195,6 +248,7 @@ def main():
     assert ref_model.lm_head.weight is ref_model.model.embed_tokens.weight, "expected tied"
     weights = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     input_ids = torch.randint(0, config.vocab_size, (BATCH, TOKENS), generator=generator)
+    gate_terms = GateTerms(fp64, ref_model)
     logits, loss, grads = run(ref_model, input_ids)
 
     # The loss formula is transformers' (its own loss, on FP32 logits, agrees to FP32).
@@ -210,7 +264,7 @@ def main():
         return run(model, input_ids)
 
     # transformers as it ships, in FP32, and (for the record) in FP64 with its FP32 casts.
-    errors = {}
+    errors, other_grads = {}, {}
     for label, model_class, dtype in [("hf_fp32", transformers.Qwen3_5ForCausalLM, torch.float32),
                                       ("hf_stock_fp64", transformers.Qwen3_5ForCausalLM,
                                        torch.float64)]:
@@ -219,6 +273,8 @@ def main():
         for n in grads:
             table["grad." + n] = error_of(o_grads[n], grads[n])
         errors[label] = table
+        other_grads[label] = o_grads
+    gate_sums = gate_terms.conditioning(grads, other_grads["hf_fp32"])
 
     os.makedirs(args.out, exist_ok=True)
     config.save_pretrained(args.out)  # config.json
@@ -248,6 +304,7 @@ def main():
         "columns": ["max |x - reference|", "max |reference|"],
     }
     summary.update(errors)
+    summary["gate_parameter_gradients"] = gate_sums
     with open(os.path.join(args.out, "errors.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
         f.write("\n")
@@ -257,6 +314,12 @@ def main():
     for key, (err, scale) in errors["hf_fp32"].items():
         stock = errors["hf_stock_fp64"][key][0]
         print(f"{key:48s} {err:11.3e} {err / scale:9.2e} {stock:11.3e} {scale:9.3e}")
+    print("gate parameter gradients: per head sum|terms| / |sum| and transformers' FP32 "
+          "relative error")
+    for name, row in gate_sums.items():
+        cond = " ".join(f"{c:7.1f}" for c in row["sum_abs_terms_over_abs_sum"])
+        rel = " ".join(f"{r:8.1e}" for r in row["hf_fp32_relative_error"])
+        print(f"  {name:42s} {cond} | {rel}")
 
 
 if __name__ == "__main__":
