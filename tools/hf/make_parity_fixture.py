@@ -36,6 +36,7 @@ causal conv1d fallback and the eager attention.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -232,9 +233,10 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
-    if hf_modeling.is_flash_linear_attention_available() if hasattr(
-            hf_modeling, "is_flash_linear_attention_available") else False:
-        sys.exit("make_parity_fixture: run without flash-linear-attention (the torch path)")
+    for package in ("fla", "causal_conv1d"):  # their kernels would replace the torch path
+        if importlib.util.find_spec(package) is not None:
+            sys.exit(f"make_parity_fixture: run in an environment without {package}: the "
+                     "reference is transformers' torch implementation")
 
     config = make_config()
     config._attn_implementation = "eager"
@@ -292,9 +294,10 @@ def main():
     for key, (err, scale) in errors["hf_fp32"].items():
         name = key[len("grad."):] if key.startswith("grad.") else key
         reference["hf_fp32_error." + name] = torch.tensor([err, scale], dtype=torch.float64)
+    # One metadata key: safetensors writes several in no fixed order, and the files must be
+    # byte-for-byte reproducible (the versions are in errors.json).
     save_file(reference, os.path.join(args.out, "reference.safetensors"),
-              metadata={"generator": "tools/hf/make_parity_fixture.py",
-                        "transformers": transformers.__version__, "torch": torch.__version__})
+              metadata={"generator": "tools/hf/make_parity_fixture.py"})
     summary = {
         "transformers": transformers.__version__,
         "torch": torch.__version__,
