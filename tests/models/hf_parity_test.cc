@@ -117,6 +117,28 @@ struct Result {
   std::map<std::string, at::Tensor> grads;
 };
 
+// PyTorch's deterministic switch and the core's CPU-op test hooks for one run, restored
+// even when the run throws.
+class ProcessStateGuard {
+ public:
+  ProcessStateGuard(bool deterministic, bool core_ops_on_cpu)
+      : was_deterministic_(at::globalContext().deterministicAlgorithms()) {
+    at::globalContext().setDeterministicAlgorithms(deterministic, /*warn_only=*/false);
+    set_gdr_core_op_on_cpu_for_testing(core_ops_on_cpu);
+    set_gdr_core_prep_op_on_cpu_for_testing(core_ops_on_cpu);
+  }
+  ~ProcessStateGuard() {
+    set_gdr_core_op_on_cpu_for_testing(false);
+    set_gdr_core_prep_op_on_cpu_for_testing(false);
+    at::globalContext().setDeterministicAlgorithms(was_deterministic_, /*warn_only=*/false);
+  }
+  ProcessStateGuard(const ProcessStateGuard&) = delete;
+  ProcessStateGuard& operator=(const ProcessStateGuard&) = delete;
+
+ private:
+  bool was_deterministic_;
+};
+
 Result run_gdr(at::ScalarType dtype, const Variant& v) {
   QwenConfig config = fixture_config();
   v.config(config);
@@ -132,10 +154,7 @@ Result run_gdr(at::ScalarType dtype, const Variant& v) {
   v.policy(policy);
   const ExecutionPolicyGuard policy_guard(policy);
   const DeterministicModeGuard mode(v.deterministic);
-  const bool was_deterministic = at::globalContext().deterministicAlgorithms();
-  at::globalContext().setDeterministicAlgorithms(v.deterministic, /*warn_only=*/false);
-  set_gdr_core_op_on_cpu_for_testing(v.core_ops_on_cpu);
-  set_gdr_core_prep_op_on_cpu_for_testing(v.core_ops_on_cpu);
+  const ProcessStateGuard state(v.deterministic, v.core_ops_on_cpu);
 
   const at::Tensor& ids = reference().input_ids;
   Result r;
@@ -145,10 +164,6 @@ Result run_gdr(at::ScalarType dtype, const Variant& v) {
   for (const auto& item : model->named_parameters()) {
     r.grads[item.key()] = item.value().grad();
   }
-
-  set_gdr_core_op_on_cpu_for_testing(false);
-  set_gdr_core_prep_op_on_cpu_for_testing(false);
-  at::globalContext().setDeterministicAlgorithms(was_deterministic, /*warn_only=*/false);
   return r;
 }
 
