@@ -5,6 +5,7 @@
 #include "ops/attention/attention_op.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/logsumexp.h>
@@ -21,6 +22,7 @@
 #include <optional>
 
 #include "ops/attention/attention_internal.h"
+#include "ops/packed/packed_documents.h"
 
 namespace gdr {
 namespace attention_internal {
@@ -271,6 +273,30 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                           /*is_causal=*/true, scale, /*enable_gqa=*/true);
+}
+
+at::Tensor causal_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   double scale, const std::vector<int64_t>& cu_seqlens) {
+  const char* op = "causal_attention_varlen";
+  const char* names[] = {"q", "k", "v"};
+  const at::Tensor* tensors[] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK(t.defined() && t.dim() == 4 && t.size(0) == 1 && t.size(2) == q.size(2), op,
+                ": expected packed ", names[i],
+                " of shape [1, heads, T, D] with T = ", q.dim() == 4 ? q.size(2) : -1,
+                " (q's) but got ", t.defined() ? t.sizes() : at::IntArrayRef{});
+  }
+  const std::vector<at::Tensor> qs = split_documents(op, q, 2, cu_seqlens),
+                                ks = split_documents(op, k, 2, cu_seqlens),
+                                vs = split_documents(op, v, 2, cu_seqlens);
+  std::vector<at::Tensor> outputs;  // [1, length, Hq, D] each
+  for (size_t i = 0; i < qs.size(); ++i) {
+    if (qs[i].size(2) == 0) continue;
+    outputs.push_back(causal_attention(qs[i], ks[i], vs[i], scale).transpose(1, 2));
+  }
+  TORCH_CHECK(!outputs.empty(), op, ": expected at least one token but got T = 0");
+  return at::cat(outputs, /*dim=*/1).transpose(1, 2);
 }
 
 }  // namespace gdr

@@ -17,9 +17,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "ops/policy/execution_policy.h"
 
@@ -36,6 +38,17 @@ AttentionBackend attention_backend(const at::Tensor& q, const at::Tensor& k, con
 // memory is laid out [B, T, Hq, D], so out.transpose(1, 2).reshape({B, T, Hq * D}) is free.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale);
+
+// Packed documents (Note [Packed documents] in ops/packed/packed_documents.h): q [1, Hq, T, D],
+// k, v [1, Hkv, T, D] hold documents back to back along T, document i being positions
+// cu_seqlens[i] .. cu_seqlens[i+1]-1 (N + 1 non-decreasing offsets from 0 to T; empty
+// documents allowed); each document's queries attend causally to its own keys only (a
+// block-diagonal causal mask). The result is causal_attention on each document alone,
+// concatenated, bit for bit, forward and backward: [1, Hq, T, D] whose memory is laid out
+// [1, T, Hq, D] (as the cuDNN path's), so out.transpose(1, 2).reshape({1, T, Hq * D}) is
+// free. cuDNN's padded-ragged (THD) variant, one launch for all documents, is future work.
+at::Tensor causal_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   double scale, const std::vector<int64_t>& cu_seqlens);
 
 // The reference: explicit score matrix, FP32 math (FP64 for double inputs). Returns the
 // output in q's dtype and the rows' log-sum-exp [B, Hq, T] (FP32, or FP64 for double).

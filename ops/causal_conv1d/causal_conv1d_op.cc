@@ -4,6 +4,7 @@
 // binaries).
 #include "ops/causal_conv1d/causal_conv1d_op.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/conv1d.h>
 #include <ATen/ops/convolution_backward.h>
@@ -16,6 +17,7 @@
 
 #include "kernels/causal_conv1d/causal_conv1d.h"
 #include "ops/causal_conv1d/causal_conv1d_internal.h"
+#include "ops/packed/packed_documents.h"
 
 namespace gdr {
 namespace causal_conv1d_internal {
@@ -190,6 +192,23 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_silu_backward(const at::Tensor&
                                                                const at::Tensor& x,
                                                                const at::Tensor& weight) {
   return backward_op().call(grad_y, x, weight);
+}
+
+at::Tensor causal_conv1d_silu_varlen(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::vector<int64_t>& cu_seqlens, CausalConvImpl impl) {
+  const char* op = "causal_conv1d_silu_varlen";
+  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(0) == 1, op,
+              ": expected packed x of shape [1, T, C] but got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  std::vector<at::Tensor> outputs;
+  for (const at::Tensor& document : split_documents(op, x, 1, cu_seqlens)) {
+    if (document.size(1) == 0) continue;
+    outputs.push_back(impl == CausalConvImpl::kKernel
+                          ? causal_conv1d_silu(document, weight)
+                          : causal_conv1d_silu_composite(document, weight));
+  }
+  if (outputs.empty()) return causal_conv1d_silu_composite(x, weight).contiguous();  // T = 0
+  return at::cat(outputs, /*dim=*/1);
 }
 
 // ---------------------------------------------------------------------------

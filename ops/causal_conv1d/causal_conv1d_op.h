@@ -30,7 +30,9 @@
 
 #include "ops/policy/execution_policy.h"
 
+#include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace gdr {
 
@@ -46,6 +48,18 @@ at::Tensor causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor causal_conv1d_silu_forward(const at::Tensor& x, const at::Tensor& weight);  // y
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_silu_backward(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight);  // (dx, dweight)
+
+// Packed documents (Note [Packed documents] in ops/packed/packed_documents.h): x [1, T, C]
+// holds documents back to back, document i being tokens cu_seqlens[i] .. cu_seqlens[i+1]-1
+// (N + 1 non-decreasing offsets from 0 to T; empty documents allowed). Every document starts
+// from zero history (the conv state is reset at each boundary): the result is
+// causal_conv1d_silu (impl kKernel: the op, CPU or CUDA by device) or
+// causal_conv1d_silu_composite (kAten) on each document alone, concatenated, bit for bit,
+// forward and backward (the weight gradient is the sum of the documents', in autograd's
+// order). Returns [1, T, C] contiguous.
+at::Tensor causal_conv1d_silu_varlen(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::vector<int64_t>& cu_seqlens,
+                                     CausalConvImpl impl = CausalConvImpl::kKernel);
 
 // True when the CUDA kernels take (x, weight): x a CUDA [B, T, C] tensor of dtype Float,
 // Half or BFloat16, weight [C, 1, K] of x's dtype on x's device with K in [2, 4].

@@ -26,6 +26,7 @@
 #include "kernels/gdr_core/chunk_state.h"
 #include "ops/gdr_core/chunk_prep_op.h"
 #include "ops/gdr_core/chunk_state_op.h"
+#include "ops/packed/packed_documents.h"
 
 namespace gdr {
 namespace {
@@ -200,19 +201,11 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
   const char* op = "gated_delta_rule_varlen";
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1, op,
               ": expected packed q of shape [1, T, Hk, dk] but got ", q.sizes());
-  TORCH_CHECK(v.dim() == 4, op, ": expected packed v of shape [1, T, H, dv] but got ", v.sizes());
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == 1 && v.size(1) == q.size(1), op,
+              ": expected packed v of shape [1, ", q.size(1), ", H, dv] (T of q) but got ",
+              v.sizes());
   const int64_t T = q.size(1), H = v.size(2), dk = q.size(3);
-  TORCH_CHECK(cu_seqlens.size() >= 2, op,
-              ": expected cu_seqlens with at least 2 offsets (one document) but got ",
-              cu_seqlens.size());
-  TORCH_CHECK(cu_seqlens.front() == 0 && cu_seqlens.back() == T, op,
-              ": expected cu_seqlens to run from 0 to T = ", T, " but got ", cu_seqlens.front(),
-              " .. ", cu_seqlens.back());
-  for (size_t i = 1; i < cu_seqlens.size(); ++i) {
-    TORCH_CHECK(cu_seqlens[i] >= cu_seqlens[i - 1], op,
-                ": expected non-decreasing cu_seqlens but offset ", i, " (", cu_seqlens[i],
-                ") < offset ", i - 1, " (", cu_seqlens[i - 1], ")");
-  }
+  check_cu_seqlens(op, cu_seqlens, T);
   const int64_t N = static_cast<int64_t>(cu_seqlens.size()) - 1;
   const bool has_initial = initial_state.has_value() && initial_state->defined();
   if (has_initial) {
@@ -222,12 +215,19 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
                 op, ": expected initial_state of shape [", N, ", ", H, ", ", dk, ", ", v.size(-1),
                 "] ([documents, H, dk, dv]) but got ", s.sizes());
   }
+  // One split per input (Note [Packed documents] in ops/packed/packed_documents.h).
+  const std::vector<at::Tensor> qs = split_documents(op, q, 1, cu_seqlens),
+                                ks = split_documents(op, k, 1, cu_seqlens),
+                                vs = split_documents(op, v, 1, cu_seqlens),
+                                gs = split_documents(op, g, 1, cu_seqlens),
+                                betas = split_documents(op, beta, 1, cu_seqlens);
+  std::vector<at::Tensor> initial_states;
+  if (has_initial) initial_states = initial_state->split(1, 0);
   std::vector<at::Tensor> outputs, finals;
   for (int64_t i = 0; i < N; ++i) {
-    const int64_t start = cu_seqlens[i], length = cu_seqlens[i + 1] - start;
     std::optional<at::Tensor> s0;
-    if (has_initial) s0 = initial_state->narrow(0, i, 1);
-    if (length == 0) {
+    if (has_initial) s0 = initial_states[i];
+    if (qs[i].size(1) == 0) {
       if (output_final_state) {
         finals.push_back(has_initial
                              ? s0->to(compute_dtype(q, k, v, g, beta))
@@ -236,10 +236,8 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
       }
       continue;
     }
-    auto [o, final_state] =
-        gated_delta_rule(q.narrow(1, start, length), k.narrow(1, start, length),
-                         v.narrow(1, start, length), g.narrow(1, start, length),
-                         beta.narrow(1, start, length), scale, s0, output_final_state, qk_norm);
+    auto [o, final_state] = gated_delta_rule(qs[i], ks[i], vs[i], gs[i], betas[i], scale, s0,
+                                             output_final_state, qk_norm);
     outputs.push_back(o);
     if (output_final_state) finals.push_back(final_state);
   }

@@ -109,8 +109,9 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule(
 // does not either). cu_seqlens: N + 1 non-decreasing offsets from
 // 0 to T (empty documents allowed). initial_state: [N, H, dk, dv]. Returns o [1, T, H, dv]
 // and, with output_final_state, [N, H, dk, dv] (an empty document's final state is its
-// initial state). Each document runs through gated_delta_rule, so the result equals
-// separate calls bit for bit; one launch sequence per document (a single varlen kernel
+// initial state). Each document runs through gated_delta_rule on its slice, so outputs and
+// gradients equal separate calls bit for bit (Note [Packed documents] in
+// ops/packed/packed_documents.h); one launch sequence per document (a single varlen kernel
 // launch is future work).
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_varlen(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

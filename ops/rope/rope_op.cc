@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "ops/packed/packed_documents.h"
 #include "ops/rope/rope_internal.h"
 
 namespace gdr {
@@ -175,6 +176,21 @@ at::Tensor partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta) {
   if (fusable && current_execution_policy().rope == RopeImpl::kFused)
     return partial_rope_fused(x, rotary_dim, theta);
   return partial_rope_composite(x, rotary_dim, theta);
+}
+
+at::Tensor partial_rope_varlen(const at::Tensor& x, int64_t rotary_dim, double theta,
+                               const std::vector<int64_t>& cu_seqlens) {
+  const char* op = "partial_rope_varlen";
+  TORCH_CHECK(x.defined() && x.dim() == 4 && x.size(0) == 1, op,
+              ": expected packed x of shape [1, H, T, hd] but got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  std::vector<at::Tensor> outputs;  // [1, length, H, hd] each
+  for (const at::Tensor& document : split_documents(op, x, 2, cu_seqlens)) {
+    if (document.size(2) == 0) continue;
+    outputs.push_back(partial_rope(document, rotary_dim, theta).transpose(1, 2));
+  }
+  if (outputs.empty()) return partial_rope(x, rotary_dim, theta);  // T = 0
+  return at::cat(outputs, /*dim=*/1).transpose(1, 2);
 }
 
 }  // namespace gdr

@@ -21,7 +21,9 @@
 
 #include "ops/policy/execution_policy.h"
 
+#include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace gdr {
 
@@ -43,5 +45,14 @@ at::Tensor rope_backward(const at::Tensor& grad_y, const at::Tensor& cos, const 
 // The model's entry: the fused op for CUDA inputs of dtype Float, Half or BFloat16 when the
 // switch says fused, else the composite.
 at::Tensor partial_rope(const at::Tensor& x, int64_t rotary_dim, double theta);
+
+// Packed documents (Note [Packed documents] in ops/packed/packed_documents.h): x [1, H, T, hd]
+// holds documents back to back along T, document i being positions cu_seqlens[i] ..
+// cu_seqlens[i+1]-1 (N + 1 non-decreasing offsets from 0 to T; empty documents allowed), and
+// each document's positions restart at 0: partial_rope on each document alone, concatenated,
+// bit for bit, forward and backward. The result's memory is laid out [1, T, H, hd] (the
+// model's q / k layout).
+at::Tensor partial_rope_varlen(const at::Tensor& x, int64_t rotary_dim, double theta,
+                               const std::vector<int64_t>& cu_seqlens);
 
 }  // namespace gdr
