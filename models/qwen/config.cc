@@ -30,7 +30,6 @@ const std::set<std::string>& ignored_hf_keys() {
                                                       "dtype",
                                                       "torch_dtype",
                                                       "bos_token_id",
-                                                      "eos_token_id",
                                                       "pad_token_id",
                                                       "use_cache",
                                                       "attention_dropout",
@@ -130,6 +129,31 @@ absl::Status read_fusion(const YAML::Node& node, absl::string_view key, const So
   return absl::OkStatus();
 }
 
+// HF's eos_token_id: an integer, a list of integers, or null (none).
+absl::Status read_eos_token_ids(const YAML::Node& node, absl::string_view key, const Source& source,
+                                std::vector<int64_t>* out) {
+  out->clear();
+  if (node.IsNull()) return absl::OkStatus();
+  if (!node.IsSequence()) {
+    int64_t id = 0;
+    if (absl::Status s =
+            read_plain(node, key, source, "an integer or a list of integers (token ids)", &id);
+        !s.ok()) {
+      return s;
+    }
+    out->push_back(id);
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < node.size(); ++i) {
+    int64_t id = 0;
+    if (absl::Status s = read_int(node[i], absl::StrCat(key, "[", i, "]"), source, &id); !s.ok()) {
+      return s;
+    }
+    out->push_back(id);
+  }
+  return absl::OkStatus();
+}
+
 using Setter =
     std::function<absl::Status(const YAML::Node&, absl::string_view, const Source&, QwenConfig&)>;
 struct Field {
@@ -192,6 +216,10 @@ const std::vector<Field>& model_fields() {
        }},
       {"max_position_embeddings", false, int_field(&QwenConfig::max_position_embeddings)},
       {"initializer_range", false, double_field(&QwenConfig::initializer_range)},
+      {"eos_token_id", false,
+       [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
+         return read_eos_token_ids(n, k, s, &c.eos_token_ids);
+       }},
       {"pre_gdr_fusion", false,
        [](const YAML::Node& n, absl::string_view k, const Source& s, QwenConfig& c) {
          return read_fusion(n, k, s, &c.pre_gdr_fusion);
@@ -403,6 +431,15 @@ absl::Status validate_qwen_config(const QwenConfig& c, absl::string_view file,
         absl::StrCat("expected a factor in (0, 1] that makes head_dim (", c.head_dim,
                      ") * factor an even integer but got ", c.partial_rotary_factor));
   }
+  for (size_t i = 0; i < c.eos_token_ids.size(); ++i) {
+    const int64_t id = c.eos_token_ids[i];
+    if (id < 0 || id >= c.vocab_size) {
+      return source.error(c.eos_token_ids.size() == 1 ? std::string("eos_token_id")
+                                                      : absl::StrCat("eos_token_id[", i, "]"),
+                          absl::StrCat("expected a token id in [0, ", c.vocab_size, ") (",
+                                       key_prefix, "vocab_size) but got ", id));
+    }
+  }
   if (c.hidden_act != "silu") {
     return source.error("hidden_act",
                         absl::StrCat("expected 'silu' (the only supported activation) but got '",
@@ -439,6 +476,14 @@ absl::StatusOr<QwenConfig> load_qwen_config_hf_json(const std::string& path) {
   const YAML::Node section = nested ? (*root)["text_config"] : *root;
   absl::StatusOr<QwenConfig> config = parse_section(section, source, /*hf=*/true);
   if (!config.ok()) return config.status();
+  // A composite config may keep the token ids at the top level only.
+  if (nested && !section["eos_token_id"] && (*root)["eos_token_id"]) {
+    if (absl::Status s = read_eos_token_ids((*root)["eos_token_id"], "eos_token_id",
+                                            Source{path, ""}, &config->eos_token_ids);
+        !s.ok()) {
+      return s;
+    }
+  }
   if (nested && (*root)["tie_word_embeddings"]) {
     const Source top{path, ""};
     if (absl::Status s = read_bool((*root)["tie_word_embeddings"], "tie_word_embeddings", top,

@@ -22,8 +22,10 @@
 //    linear_num_key_heads (2) but got 3".
 // Unknown keys are errors in both formats (a misspelt key must not silently fall back to
 // a default). A Hugging Face file may also carry keys that do not change the text model
-// (token ids, dtype, MTP head, mRoPE sections ...): those are accepted and ignored, see
-// ignored_hf_keys() in config.cc.
+// (bos / pad token ids, dtype, MTP head, mRoPE sections ...): those are accepted and ignored,
+// see ignored_hf_keys() in config.cc. eos_token_id is read (both formats; in a nested
+// config.json from text_config, else from the top level): document masking splits
+// documents after it.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +70,11 @@ struct QwenConfig {
   std::string hidden_act = "silu";  // the only supported activation
   int64_t max_position_embeddings = 262144;
   double initializer_range = 0.02;
+  // Hugging Face's eos_token_id: one id or a list of ids (null or absent: none). The model
+  // itself does not use it; with data.document_masking a document starts right after each of
+  // these tokens (Note [Document masking] in models/qwen/document_bounds.h). Each id must be
+  // in [0, vocab_size).
+  std::vector<int64_t> eos_token_ids;
   // gdr keys.
   PreGdrFusion pre_gdr_fusion = PreGdrFusion::kGate;
   bool deterministic_mode = false;

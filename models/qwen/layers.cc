@@ -19,6 +19,7 @@
 #include "ops/gated_activation/gated_activation_op.h"
 #include "ops/gdr_core/gdr_core_op.h"
 #include "ops/linear_group/linear_group_op.h"
+#include "ops/packed/packed_documents.h"
 #include "ops/pre_gdr_gate/pre_gdr_full_fusion_op.h"
 #include "ops/pre_gdr_gate/pre_gdr_gate_op.h"
 #include "ops/rms_norm/rms_norm_op.h"
@@ -34,6 +35,24 @@ torch::nn::Linear linear_no_bias(int64_t in, int64_t out) {
 void check_activation(const char* module, const at::Tensor& x, int64_t hidden) {
   TORCH_CHECK(x.dim() == 3 && x.size(-1) == hidden, module, ": expected x of shape [B, T, ", hidden,
               "] but got ", x.sizes());
+}
+
+// True when `documents` asks for per-document work on x [B, T, ...]: some row holds more
+// than one document (Note [Document masking]). Checks that they describe x's rows.
+bool packed_documents(const char* module, const at::Tensor& x, const DocumentBounds* documents) {
+  if (documents == nullptr) return false;
+  TORCH_CHECK(documents->rows() == x.size(0) && documents->length() == x.size(1), module,
+              ": expected document bounds of ", x.size(0), " rows of ", x.size(1),
+              " tokens (x's B, T) but got ", documents->rows(), " rows of ", documents->length());
+  return !documents->single_documents();
+}
+
+// x [B, T, ...] as one packed sequence [1, B * T, ...] (a view where the strides allow).
+at::Tensor flatten_rows(const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[1] *= shape[0];
+  shape[0] = 1;
+  return x.reshape(shape);
 }
 
 // split_last_dim (see the header).
@@ -163,6 +182,19 @@ at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight)
   return causal_conv1d_silu_composite(x, weight);
 }
 
+at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight,
+                                  const DocumentBounds& documents) {
+  TORCH_CHECK(x.dim() == 3, "gdn_causal_conv1d_silu: expected x of shape [B, T, C] but got ",
+              x.sizes());
+  packed_documents("gdn_causal_conv1d_silu", x, &documents);
+  const at::Tensor packed = flatten_rows(x);
+  const bool kernel = current_execution_policy().causal_conv == CausalConvImpl::kKernel &&
+                      causal_conv1d_kernel_supports(packed, weight);
+  return causal_conv1d_silu_varlen(packed, weight, documents.cu_seqlens(),
+                                   kernel ? CausalConvImpl::kKernel : CausalConvImpl::kAten)
+      .view(x.sizes());
+}
+
 // The execution policy's gdr_core_v_fp32 (Note [GDR core value dtype]): false keeps v in the
 // activations' dtype; true widens it to FP32.
 static bool core_v_fp32() { return current_execution_policy().gdr_core_v_fp32; }
@@ -216,9 +248,15 @@ GatedDeltaNetImpl::GatedDeltaNetImpl(const QwenConfig& c)
 
 void GatedDeltaNetImpl::set_pre_gdr_fusion(PreGdrFusion fusion) { fusion_ = fusion; }
 
-at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
+at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x, const DocumentBounds* documents) {
   check_activation("GatedDeltaNet", x, in_proj_qkv->options.in_features());
   const int64_t B = x.size(0), T = x.size(1);
+  // Note [Document masking] (models/qwen/document_bounds.h): the conv, the core and the full
+  // fusion per document; everything else here is per token.
+  const bool packed = packed_documents("GatedDeltaNet", x, documents);
+  TORCH_CHECK(!packed || core_algorithm_ == GdrCoreAlgorithm::kDispatch,
+              "GatedDeltaNet: document bounds need the dispatching GDR core (the chunked and "
+              "recurrent test hooks take none)");
   const int64_t key_dim = num_k_heads_ * k_head_dim_, value_dim = num_v_heads_ * v_head_dim_;
 
   TORCH_CHECK(fusion_ != PreGdrFusion::kFull || x.is_cuda(),
@@ -239,10 +277,32 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   if (fusion_ == PreGdrFusion::kFull) {
     // One fused CUDA op from the projections to the core inputs
     // (ops/pre_gdr_gate/pre_gdr_full_fusion_op.h).
-    const GdrInputs in =
-        pre_gdr_full_fusion(mixed_qkv, conv1d->weight, a, b, A_log, dt_bias,
-                            GdnHeads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_});
-    q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
+    const GdnHeads heads{num_k_heads_, num_v_heads_, k_head_dim_, v_head_dim_};
+    if (packed) {
+      // One fused call per document, its conv starting from zero history (Note [Packed
+      // documents] in ops/packed/packed_documents.h), the pieces concatenated.
+      const char* op = "GatedDeltaNet (pre_gdr_fusion full)";
+      const std::vector<int64_t>& cu = documents->cu_seqlens();
+      const std::vector<at::Tensor> qkv_docs = split_documents(op, flatten_rows(mixed_qkv), 1, cu),
+                                    a_docs = split_documents(op, flatten_rows(a), 1, cu),
+                                    b_docs = split_documents(op, flatten_rows(b), 1, cu);
+      std::vector<at::Tensor> qs, ks, vs, gs, betas;
+      for (size_t i = 0; i < qkv_docs.size(); ++i) {
+        const GdrInputs in = pre_gdr_full_fusion(qkv_docs[i], conv1d->weight, a_docs[i], b_docs[i],
+                                                 A_log, dt_bias, heads);
+        qs.push_back(in.q), ks.push_back(in.k), vs.push_back(in.v);
+        gs.push_back(in.g), betas.push_back(in.beta);
+      }
+      q = at::cat(qs, 1).view({B, T, num_v_heads_, k_head_dim_});
+      k = at::cat(ks, 1).view({B, T, num_v_heads_, k_head_dim_});
+      v = at::cat(vs, 1).view({B, T, num_v_heads_, v_head_dim_});
+      g = at::cat(gs, 1).view({B, T, num_v_heads_});
+      beta = at::cat(betas, 1).view({B, T, num_v_heads_});
+    } else {
+      const GdrInputs in =
+          pre_gdr_full_fusion(mixed_qkv, conv1d->weight, a, b, A_log, dt_bias, heads);
+      q = in.q, k = in.k, v = in.v, g = in.g, beta = in.beta;
+    }
     qk_norm = GdrQkNorm::kNone;  // normalised and repeated by the fused op
   } else {
     // NOTE: gdr::pre_gdr_full_fusion_composite is this same op sequence with
@@ -251,7 +311,8 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
     // Causal depthwise conv over time + SiLU: [B, T, conv_dim], contiguous from the fused
     // op (so the narrow + reshape of q and k below are views), a transposed view from the
     // composition (they copy).
-    const at::Tensor qkv = gdn_causal_conv1d_silu(mixed_qkv, conv1d->weight);
+    const at::Tensor qkv = packed ? gdn_causal_conv1d_silu(mixed_qkv, conv1d->weight, *documents)
+                                  : gdn_causal_conv1d_silu(mixed_qkv, conv1d->weight);
 
     // The raw key heads in x's dtype: the core normalises them (in FP32, or FP64 for FP64
     // inputs) and maps each of the Hv/Hk consecutive value heads of a key head to it, on
@@ -284,7 +345,16 @@ at::Tensor GatedDeltaNetImpl::forward(const at::Tensor& x) {
   at::Tensor o;
   switch (core_algorithm_) {
     case GdrCoreAlgorithm::kDispatch:
-      o = std::get<0>(gated_delta_rule(q, k, v, g, beta, scale, std::nullopt, false, qk_norm));
+      if (packed) {
+        // The batch as one packed sequence: every row end is a document end too.
+        o = std::get<0>(gated_delta_rule_varlen(flatten_rows(q), flatten_rows(k), flatten_rows(v),
+                                                flatten_rows(g), flatten_rows(beta), scale,
+                                                documents->cu_seqlens(), std::nullopt, false,
+                                                qk_norm))
+                .view({B, T, num_v_heads_, v_head_dim_});
+      } else {
+        o = std::get<0>(gated_delta_rule(q, k, v, g, beta, scale, std::nullopt, false, qk_norm));
+      }
       break;
     case GdrCoreAlgorithm::kChunked:
       o = std::get<0>(gated_delta_rule_chunked(q, k, v, g, beta, scale, std::nullopt, false,
@@ -319,9 +389,10 @@ GatedAttentionImpl::GatedAttentionImpl(const QwenConfig& c)
   k_norm = register_module("k_norm", ZeroCenteredRMSNorm(head_dim_, c.rms_norm_eps));
 }
 
-at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
+at::Tensor GatedAttentionImpl::forward(const at::Tensor& x, const DocumentBounds* documents) {
   check_activation("GatedAttention", x, q_proj->options.in_features());
   const int64_t B = x.size(0), T = x.size(1);
+  const bool packed = packed_documents("GatedAttention", x, documents);
   // q, k, v as one group: see GatedDeltaNetImpl::forward.
   const std::vector<at::Tensor> projections =
       project(x, {q_proj->weight, k_proj->weight, v_proj->weight});
@@ -338,16 +409,27 @@ at::Tensor GatedAttentionImpl::forward(const at::Tensor& x) {
   at::Tensor q = query_and_gate_parts[0];
   const at::Tensor& gate = query_and_gate_parts[1];  // [B, T, H, hd], read in place
   at::Tensor k = projections[1].reshape({B, T, num_kv_heads_, head_dim_});
-  const at::Tensor v = projections[2].reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
-
-  q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
-  k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
-  // cuDNN on CUDA (deterministic backward in deterministic mode), ATen's SDPA otherwise:
-  // Note [Attention backends] in ops/attention/attention_op.h.
-  const at::Tensor attn =
-      causal_attention(q, k, v, /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  return o_proj(gated_activation(gate, attn.transpose(1, 2).reshape({B, T, -1}),
-                                 GatedActivationKind::kSigmoid));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  at::Tensor attn;  // [B, T, H * hd]
+  if (packed) {
+    // Note [Document masking]: the batch as one packed sequence [1, B * T, ...], RoPE
+    // positions restarting and attention confined to each document.
+    const std::vector<int64_t>& cu = documents->cu_seqlens();
+    q = partial_rope_varlen(flatten_rows(q_norm(q)).transpose(1, 2), rotary_dim_, rope_theta_, cu);
+    k = partial_rope_varlen(flatten_rows(k_norm(k)).transpose(1, 2), rotary_dim_, rope_theta_, cu);
+    const at::Tensor v = flatten_rows(projections[2]).reshape({1, B * T, num_kv_heads_, head_dim_});
+    attn = causal_attention_varlen(q, k, v.transpose(1, 2), scale, cu)
+               .transpose(1, 2)
+               .reshape({B, T, -1});
+  } else {
+    const at::Tensor v = projections[2].reshape({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
+    q = apply_partial_rope(q_norm(q).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, H, T, hd]
+    k = apply_partial_rope(k_norm(k).transpose(1, 2), rotary_dim_, rope_theta_);  // [B, Hkv, T, hd]
+    // cuDNN on CUDA (deterministic backward in deterministic mode), ATen's SDPA otherwise:
+    // Note [Attention backends] in ops/attention/attention_op.h.
+    attn = causal_attention(q, k, v, scale).transpose(1, 2).reshape({B, T, -1});
+  }
+  return o_proj(gated_activation(gate, attn, GatedActivationKind::kSigmoid));
 }
 
 MlpImpl::MlpImpl(const QwenConfig& c) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "models/qwen/config.h"
+#include "models/qwen/document_bounds.h"
 
 namespace gdr {
 
@@ -53,6 +54,13 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 // execution policy says causal_conv aten; otherwise the composition
 // (causal_conv1d_silu_composite, the reference; a transposed view).
 at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight);
+
+// The same conv with the state reset at every document start (Note [Document masking] in
+// models/qwen/document_bounds.h): x [B, T, C] with `documents` of B rows of T tokens; the
+// same choice of implementation per document (ops/causal_conv1d/causal_conv1d_op.h:
+// causal_conv1d_silu_varlen). Returns [B, T, C] contiguous.
+at::Tensor gdn_causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight,
+                                  const DocumentBounds& documents);
 
 // x [..., sum(sizes)] split along the last dim into views of `sizes` (as
 // at::split_with_sizes), differentiable. The backward returns the pieces' gradients as one
@@ -105,10 +113,16 @@ enum class GdrCoreAlgorithm { kDispatch, kChunked, kRecurrent };
 // same with the fused gate op; full = one fused CUDA op from the projections to the core
 // inputs, q / k already normalised and repeated (gdr::pre_gdr_full_fusion; forward on a
 // CPU tensor fails saying it needs CUDA).
+//
+// With `documents` (Note [Document masking]) whose rows are not all single documents, the
+// conv (state reset), the core (zero state at every start: gated_delta_rule_varlen over the
+// batch flattened to one sequence) and, with full fusion, the fused op run per document; the
+// core algorithm must then be kDispatch.
 class GatedDeltaNetImpl : public torch::nn::Module {
  public:
   explicit GatedDeltaNetImpl(const QwenConfig& config);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+  // [B, T, D] -> [B, T, D]; documents: B rows of T tokens, or null.
+  at::Tensor forward(const at::Tensor& x, const DocumentBounds* documents = nullptr);
 
   void set_core_algorithm(GdrCoreAlgorithm algorithm) { core_algorithm_ = algorithm; }
   void set_pre_gdr_fusion(PreGdrFusion fusion);
@@ -129,10 +143,14 @@ TORCH_MODULE(GatedDeltaNet);
 // Gated full attention (`self_attn`): q_proj [2*H*hd, D] (per head: hd query then hd
 // gate), k_proj / v_proj [Hkv*hd, D], o_proj [D, H*hd], q_norm / k_norm zero-centred over
 // hd, partial RoPE, causal GQA softmax attention with scale hd^-1/2, out * sigmoid(gate).
+// With `documents` (Note [Document masking]) whose rows are not all single documents, RoPE
+// positions restart at every document start and attention is per document
+// (partial_rope_varlen, causal_attention_varlen over the batch flattened to one sequence).
 class GatedAttentionImpl : public torch::nn::Module {
  public:
   explicit GatedAttentionImpl(const QwenConfig& config);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+  // [B, T, D] -> [B, T, D]; documents: B rows of T tokens, or null.
+  at::Tensor forward(const at::Tensor& x, const DocumentBounds* documents = nullptr);
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   ZeroCenteredRMSNorm q_norm{nullptr}, k_norm{nullptr};

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -43,13 +44,13 @@ DecoderLayerImpl::DecoderLayerImpl(const QwenConfig& c, int64_t layer_index)
   mlp = register_module("mlp", Mlp(c));
 }
 
-at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
-  auto [h, mlp_out] = forward_pending(hidden, at::Tensor());
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden, const DocumentBounds* documents) {
+  auto [h, mlp_out] = forward_pending(hidden, at::Tensor(), documents);
   return h + mlp_out;
 }
 
-std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(const at::Tensor& hidden,
-                                                                    const at::Tensor& pending) {
+std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(
+    const at::Tensor& hidden, const at::Tensor& pending, const DocumentBounds* documents) {
   at::Tensor normed, h;
   if (pending.defined()) {
     std::tie(normed, h) =
@@ -60,16 +61,20 @@ std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(const at::Te
   }
   at::Tensor mixed;
   if (current_execution_policy().recompute == Recompute::kAttention) {
-    // Note [Recomputation] in ops/recompute/recompute_op.h: only `normed` is kept.
+    // Note [Recomputation] in ops/recompute/recompute_op.h: only `normed` is kept. The
+    // backward's run needs the bounds again: the block keeps its own copy.
     DecoderLayerImpl* self = this;
+    std::shared_ptr<const DocumentBounds> bounds =
+        documents ? std::make_shared<const DocumentBounds>(*documents) : nullptr;
     mixed = recompute_in_backward(
-        [self](const std::vector<at::Tensor>& in) {
-          return std::vector<at::Tensor>{self->linear_attn ? self->linear_attn(in[0])
-                                                           : self->self_attn(in[0])};
+        [self, bounds](const std::vector<at::Tensor>& in) {
+          return std::vector<at::Tensor>{self->linear_attn
+                                             ? self->linear_attn(in[0], bounds.get())
+                                             : self->self_attn(in[0], bounds.get())};
         },
         {normed})[0];
   } else {
-    mixed = linear_attn ? linear_attn(normed) : self_attn(normed);
+    mixed = linear_attn ? linear_attn(normed, documents) : self_attn(normed, documents);
   }
   auto [normed2, h2] =
       add_zero_centered_rms_norm(h, mixed, post_attention_layernorm->weight, rms_norm_eps_);
@@ -83,10 +88,17 @@ QwenModelImpl::QwenModelImpl(const QwenConfig& c) : rms_norm_eps_(c.rms_norm_eps
   norm = register_module("norm", ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
-at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
+at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids, const DocumentBounds* documents) {
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
               "QwenModel: expected input_ids of shape [B, T] and dtype Long but got shape ",
               input_ids.sizes(), " and dtype ", input_ids.scalar_type());
+  TORCH_CHECK(documents == nullptr || (documents->rows() == input_ids.size(0) &&
+                                       documents->length() == input_ids.size(1)),
+              "QwenModel: expected document bounds of ", input_ids.size(0), " rows of ",
+              input_ids.size(1), " tokens (input_ids' B, T) but got ",
+              documents ? documents->rows() : 0, " rows of ", documents ? documents->length() : 0);
+  // Rows that are each one document take the ordinary path (Note [Document masking]).
+  if (documents != nullptr && documents->single_documents()) documents = nullptr;
   at::Tensor h = tied_embedding_state
                      ? tied_embedding_lookup(input_ids, embed_tokens->weight, tied_embedding_state)
                      : embed_tokens(input_ids);
@@ -94,16 +106,21 @@ at::Tensor QwenModelImpl::forward(const at::Tensor& input_ids) {
   // add in the norm]).
   at::Tensor pending;
   const bool recompute_layers = current_execution_policy().recompute == Recompute::kFull;
+  std::shared_ptr<const DocumentBounds> bounds_copy;  // shared by the layers' blocks
   for (const auto& layer : *layers) {
     DecoderLayerImpl* decoder = layer->as<DecoderLayer>();
     if (!recompute_layers) {
-      std::tie(h, pending) = decoder->forward_pending(h, pending);
+      std::tie(h, pending) = decoder->forward_pending(h, pending, documents);
       continue;
     }
-    // Note [Recomputation]: only the layer's inputs (h and the pending MLP output) are kept.
+    // Note [Recomputation]: only the layer's inputs (h and the pending MLP output) are kept;
+    // the block keeps its own copy of the bounds for the backward's run.
+    if (documents != nullptr && bounds_copy == nullptr) {
+      bounds_copy = std::make_shared<const DocumentBounds>(*documents);
+    }
     const std::vector<at::Tensor> out = recompute_in_backward(
-        [decoder](const std::vector<at::Tensor>& in) {
-          auto [next_h, next_pending] = decoder->forward_pending(in[0], in[1]);
+        [decoder, bounds_copy](const std::vector<at::Tensor>& in) {
+          auto [next_h, next_pending] = decoder->forward_pending(in[0], in[1], bounds_copy.get());
           return std::vector<at::Tensor>{next_h, next_pending};
         },
         {h, pending});
@@ -133,9 +150,21 @@ QwenForCausalLMImpl::QwenForCausalLMImpl(const QwenConfig& config) : config_(che
 }
 
 at::Tensor QwenForCausalLMImpl::forward(const at::Tensor& input_ids) {
-  if (lm_head) return lm_head(model(input_ids));
+  return logits(input_ids, nullptr);
+}
+
+at::Tensor QwenForCausalLMImpl::forward(const at::Tensor& input_ids,
+                                        const DocumentBounds& documents) {
+  return logits(input_ids, &documents);
+}
+
+at::Tensor QwenForCausalLMImpl::logits(const at::Tensor& input_ids,
+                                       const DocumentBounds* documents) {
+  if (lm_head) return lm_head(model(input_ids, documents));
   const at::Tensor& weight = model->embed_tokens->weight;
-  if (!tied_embedding_fusable(weight)) return model(input_ids).matmul(weight.t());  // composite
+  if (!tied_embedding_fusable(weight)) {
+    return model(input_ids, documents).matmul(weight.t());  // composite
+  }
   // The lookup and the LM head of this forward share one state, so W gets one gradient.
   const TiedEmbeddingStatePtr state = make_tied_embedding_state();
   struct Clear {
@@ -143,12 +172,30 @@ at::Tensor QwenForCausalLMImpl::forward(const at::Tensor& input_ids) {
     ~Clear() { m.tied_embedding_state = nullptr; }
   } clear{*model};
   model->tied_embedding_state = state;
-  const at::Tensor hidden = model(input_ids);
+  const at::Tensor hidden = model(input_ids, documents);
   return tied_lm_head(hidden, weight, state);
 }
 
 at::Tensor QwenForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels) {
   return causal_lm_loss(forward(input_ids), labels);
+}
+
+at::Tensor QwenForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                     const DocumentBounds& documents) {
+  return causal_lm_loss(forward(input_ids, documents), document_masked_labels(labels, documents));
+}
+
+at::Tensor document_masked_labels(const at::Tensor& labels, const DocumentBounds& documents) {
+  TORCH_CHECK(labels.dim() == 2 && documents.rows() == labels.size(0) &&
+                  documents.length() == labels.size(1),
+              "document_masked_labels: expected labels of shape [", documents.rows(), ", ",
+              documents.length(), "] (the document bounds' rows and length) but got ",
+              labels.sizes());
+  if (documents.single_documents()) return labels;
+  at::Tensor positions = at::tensor(documents.flat_starts_after_the_first(), at::kLong);
+  // A small host-to-device copy; masked batches run eagerly (Note [Document masking]).
+  if (labels.is_cuda()) positions = positions.to(labels.device());
+  return labels.reshape({-1}).index_fill(0, positions, kIgnoreIndex).view(labels.sizes());
 }
 
 void QwenForCausalLMImpl::set_gdr_core_algorithm(GdrCoreAlgorithm algorithm) {

@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "models/qwen/config.h"
+#include "models/qwen/document_bounds.h"
 #include "models/qwen/layers.h"
 #include "ops/tied_embedding/tied_embedding_op.h"
 
@@ -37,14 +38,16 @@ namespace gdr {
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const QwenConfig& config, int64_t layer_index);
-  at::Tensor forward(const at::Tensor& hidden);
+  // documents (may be null): handed to the mixer (Note [Document masking]).
+  at::Tensor forward(const at::Tensor& hidden, const DocumentBounds* documents = nullptr);
   // The same layer with the residual stream's last add left to the caller: `pending` (may
   // be undefined) is the previous layer's un-added MLP output, added to `hidden` by this
   // layer's input norm; returns (h, mlp_out) with the layer's output h + mlp_out. The model
   // loop uses it so that every residual add happens inside a norm (Note [Residual add in
   // the norm] in model.cc).
   std::pair<at::Tensor, at::Tensor> forward_pending(const at::Tensor& hidden,
-                                                    const at::Tensor& pending);
+                                                    const at::Tensor& pending,
+                                                    const DocumentBounds* documents = nullptr);
 
   ZeroCenteredRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   GatedDeltaNet linear_attn{nullptr};
@@ -60,7 +63,9 @@ TORCH_MODULE(DecoderLayer);
 class QwenModelImpl : public torch::nn::Module {
  public:
   explicit QwenModelImpl(const QwenConfig& config);
-  at::Tensor forward(const at::Tensor& input_ids);
+  // documents (may be null): B rows of T tokens, handed to every layer (Note [Document
+  // masking]).
+  at::Tensor forward(const at::Tensor& input_ids, const DocumentBounds* documents = nullptr);
 
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -83,8 +88,15 @@ class QwenForCausalLMImpl : public torch::nn::Module {
 
   // input_ids [B, T] int64 -> logits [B, T, vocab] in the parameters' dtype.
   at::Tensor forward(const at::Tensor& input_ids);
+  // The same with packed documents kept apart (Note [Document masking] in
+  // models/qwen/document_bounds.h): `documents` has B rows of T tokens. Rows that are each
+  // one document give forward(input_ids)'s bits.
+  at::Tensor forward(const at::Tensor& input_ids, const DocumentBounds& documents);
   // causal_lm_loss(forward(input_ids), labels).
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels);
+  // causal_lm_loss(forward(input_ids, documents), document_masked_labels(labels, documents)).
+  at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                  const DocumentBounds& documents);
 
   const QwenConfig& config() const { return config_; }
   // Test hooks: switch every GDN layer's core / pre-GDR gate implementation.
@@ -95,6 +107,8 @@ class QwenForCausalLMImpl : public torch::nn::Module {
   torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
 
  private:
+  at::Tensor logits(const at::Tensor& input_ids, const DocumentBounds* documents);
+
   QwenConfig config_;
 };
 TORCH_MODULE(QwenForCausalLM);
@@ -109,6 +123,13 @@ TORCH_MODULE(QwenForCausalLM);
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 constexpr int64_t kIgnoreIndex = -100;
+
+// labels [B, T] (aligned with the input ids, as causal_lm_loss takes them) with every
+// document start after a row's first position set to kIgnoreIndex: the targets that would
+// have a document's last position predict the next document's first token (Note [Document
+// masking]). `documents` has B rows of T tokens; labels itself when every row is one
+// document.
+at::Tensor document_masked_labels(const at::Tensor& labels, const DocumentBounds& documents);
 
 // Reference init, reproducible from `seed` alone (values drawn on CPU in FP32 in
 // named_parameters() order, then copied into each parameter's dtype and device):

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace gdr {
 namespace {
@@ -198,6 +199,54 @@ TEST(QwenConfig, HuggingFaceFlatConfigLoads) {
   EXPECT_DOUBLE_EQ(c->rope_theta, 1e4);
   EXPECT_DOUBLE_EQ(c->initializer_range, 0.01);
   EXPECT_TRUE(c->is_full_attention(3));
+}
+
+TEST(QwenConfig, EosTokenIdIsAnIdAListOrNothing) {
+  const auto eos_of = [](const std::string& name, const std::string& line) {
+    const absl::StatusOr<QwenConfig> c = load_qwen_config_yaml(write_file(name, with_lines(line)));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->eos_token_ids : std::vector<int64_t>{-1};
+  };
+  EXPECT_EQ(eos_of("eos_none.yaml", ""), std::vector<int64_t>{});
+  EXPECT_EQ(eos_of("eos_null.yaml", "  eos_token_id: null\n"), std::vector<int64_t>{});
+  EXPECT_EQ(eos_of("eos_one.yaml", "  eos_token_id: 10\n"), std::vector<int64_t>{10});
+  EXPECT_EQ(eos_of("eos_list.yaml", "  eos_token_id: [0, 255]\n"), (std::vector<int64_t>{0, 255}));
+}
+
+TEST(QwenConfig, HuggingFaceEosTokenIdIsReadFromTextConfigOrTheTopLevel) {
+  const std::string text_config = R"("hidden_size": 64, "num_hidden_layers": 4,
+    "intermediate_size": 128, "vocab_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16)";
+  const std::string nested =
+      write_file("eos_nested.json", "{\"eos_token_id\": 7, \"text_config\": {" + text_config +
+                                        ", \"eos_token_id\": 3}}");
+  const std::string top = write_file(
+      "eos_top.json", "{\"eos_token_id\": [7, 8], \"text_config\": {" + text_config + "}}");
+  const absl::StatusOr<QwenConfig> a = load_qwen_config_hf_json(nested);
+  const absl::StatusOr<QwenConfig> b = load_qwen_config_hf_json(top);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->eos_token_ids, std::vector<int64_t>{3});
+  EXPECT_EQ(b->eos_token_ids, (std::vector<int64_t>{7, 8}));
+}
+
+TEST(QwenConfig, AnEosTokenIdOutsideTheVocabularyOrOfTheWrongTypeIsAnError) {
+  const std::string big = write_file("eos_big.yaml", with_lines("  eos_token_id: 256\n"));
+  EXPECT_EQ(load_qwen_config_yaml(big).status().message(),
+            big +
+                ": model.eos_token_id: expected a token id in [0, 256) (model.vocab_size) but "
+                "got 256");
+  const std::string listed = write_file("eos_listed.yaml", with_lines("  eos_token_id: [1, -2]\n"));
+  EXPECT_EQ(load_qwen_config_yaml(listed).status().message(),
+            listed +
+                ": model.eos_token_id[1]: expected a token id in [0, 256) (model.vocab_size) "
+                "but got -2");
+  const std::string word = write_file("eos_word.yaml", with_lines("  eos_token_id: end\n"));
+  EXPECT_EQ(load_qwen_config_yaml(word).status().message(),
+            word +
+                ": model.eos_token_id: expected an integer or a list of integers (token ids) "
+                "but got 'end'");
 }
 
 TEST(QwenConfig, AnUnknownKeyIsAnErrorNamingTheKeyAndTheFile) {
