@@ -1,5 +1,6 @@
 #include "gdr/data.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -19,28 +20,67 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+// A token stream and, for an indexed dataset, where its document index says documents start.
+struct TokenStream {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> index_starts;  // sorted; empty for the embedded corpus
+};
+
 // The token stream of `path` (embedded: a text file, one token per byte) or `prefix`
 // (indexed: a Megatron dataset, its sequences in file order).
-absl::StatusOr<std::vector<int64_t>> read_tokens(DataSource source, const std::string& path,
-                                                 const std::string& prefix) {
+absl::StatusOr<TokenStream> read_tokens(DataSource source, const std::string& path,
+                                        const std::string& prefix) {
+  TokenStream stream;
   if (source == DataSource::kEmbedded) {
     absl::StatusOr<std::string> text = io::read_file(path);
     if (!text.ok()) return text.status();
-    std::vector<int64_t> tokens;
-    tokens.reserve(text->size());
-    for (unsigned char c : *text) tokens.push_back(c);
-    return tokens;
+    stream.tokens.reserve(text->size());
+    for (unsigned char c : *text) stream.tokens.push_back(c);
+    return stream;
   }
   absl::StatusOr<io::IndexedDataset> dataset = io::IndexedDataset::open(prefix);
   if (!dataset.ok()) return dataset.status();
-  std::vector<int64_t> tokens;
-  tokens.reserve(dataset->num_tokens());
+  stream.tokens.reserve(dataset->num_tokens());
+  // Token offset of every sequence, then of every document's first sequence (Note
+  // [Document starts]); open() checked the document index is monotonic and ends at S.
+  std::vector<int64_t> sequence_offsets;
   for (int64_t i = 0; i < dataset->num_sequences(); ++i) {
+    sequence_offsets.push_back(static_cast<int64_t>(stream.tokens.size()));
     absl::StatusOr<std::vector<int64_t>> seq = dataset->sequence(i);
     if (!seq.ok()) return seq.status();
-    tokens.insert(tokens.end(), seq->begin(), seq->end());
+    stream.tokens.insert(stream.tokens.end(), seq->begin(), seq->end());
   }
-  return tokens;
+  for (int64_t first_sequence : dataset->document_indices()) {
+    if (first_sequence >= dataset->num_sequences()) continue;  // the closing index
+    stream.index_starts.push_back(sequence_offsets[static_cast<size_t>(first_sequence)]);
+  }
+  return stream;
+}
+
+// Sorted, unique starts in [0, n), beginning with 0.
+std::vector<int64_t> normalized_starts(std::vector<int64_t> starts, int64_t n) {
+  starts.push_back(0);
+  std::sort(starts.begin(), starts.end());
+  starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
+  while (!starts.empty() && starts.back() >= n) starts.pop_back();
+  return starts;
+}
+
+// The document starts of `stream` under `config` (Note [Document starts]); nullopt when
+// document masking is off.
+absl::StatusOr<std::optional<std::vector<int64_t>>> document_starts_of(
+    const DataConfig& config, const std::string& name, const TokenStream& stream,
+    const std::vector<int64_t>& eos_token_ids) {
+  if (!config.document_masking) return std::optional<std::vector<int64_t>>();
+  if (config.source == DataSource::kEmbedded && eos_token_ids.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name,
+                     ": data.document_masking: the embedded corpus has no document index; set "
+                     "model.eos_token_id to the token that ends a document"));
+  }
+  std::vector<int64_t> starts = document_starts_after_eos(stream.tokens, eos_token_ids);
+  starts.insert(starts.end(), stream.index_starts.begin(), stream.index_starts.end());
+  return std::optional<std::vector<int64_t>>(std::move(starts));
 }
 
 }  // namespace
@@ -51,8 +91,9 @@ TokenWindows::TokenWindows(std::vector<int64_t> tokens, int64_t seq_len, uint64_
       num_windows_((static_cast<int64_t>(tokens_.size()) - 1) / seq_len),
       seed_(seed) {}
 
-absl::StatusOr<TokenWindows> TokenWindows::from_tokens(std::vector<int64_t> tokens, int64_t seq_len,
-                                                       uint64_t seed) {
+absl::StatusOr<TokenWindows> TokenWindows::from_tokens(
+    std::vector<int64_t> tokens, int64_t seq_len, uint64_t seed,
+    std::optional<std::vector<int64_t>> document_starts) {
   if (seq_len < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("data.seq_len: expected >= 1 but got ", seq_len));
@@ -62,16 +103,35 @@ absl::StatusOr<TokenWindows> TokenWindows::from_tokens(std::vector<int64_t> toke
         absl::StrCat("data: the token stream has ", tokens.size(),
                      " tokens, fewer than one window of seq_len + 1 = ", seq_len + 1));
   }
-  return TokenWindows(std::move(tokens), seq_len, seed);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  TokenWindows windows(std::move(tokens), seq_len, seed);
+  if (document_starts.has_value()) {
+    windows.has_document_starts_ = true;
+    windows.document_starts_ = normalized_starts(std::move(*document_starts), n);
+  }
+  return windows;
+}
+
+std::vector<int64_t> document_starts_after_eos(const std::vector<int64_t>& tokens,
+                                               const std::vector<int64_t>& eos_token_ids) {
+  std::vector<int64_t> starts;
+  if (eos_token_ids.empty()) return starts;
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
+    if (std::find(eos_token_ids.begin(), eos_token_ids.end(), tokens[i]) != eos_token_ids.end()) {
+      starts.push_back(static_cast<int64_t>(i) + 1);
+    }
+  }
+  return starts;
 }
 
 namespace {
 
 // Windows over `tokens`, an error naming `name` when there is not one window.
 absl::StatusOr<TokenWindows> windows_named(const std::string& name, std::vector<int64_t> tokens,
-                                           int64_t seq_len, uint64_t seed) {
+                                           int64_t seq_len, uint64_t seed,
+                                           std::optional<std::vector<int64_t>> document_starts) {
   absl::StatusOr<TokenWindows> windows =
-      TokenWindows::from_tokens(std::move(tokens), seq_len, seed);
+      TokenWindows::from_tokens(std::move(tokens), seq_len, seed, std::move(document_starts));
   if (!windows.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", windows.status().message()));
   }
@@ -80,24 +140,29 @@ absl::StatusOr<TokenWindows> windows_named(const std::string& name, std::vector<
 
 }  // namespace
 
-absl::StatusOr<TokenWindows> TokenWindows::open(const DataConfig& config, uint64_t seed) {
-  absl::StatusOr<DataSets> sets = open_data_sets(config, seed);
+absl::StatusOr<TokenWindows> TokenWindows::open(const DataConfig& config, uint64_t seed,
+                                                const std::vector<int64_t>& eos_token_ids) {
+  absl::StatusOr<DataSets> sets = open_data_sets(config, seed, eos_token_ids);
   if (!sets.ok()) return sets.status();
   return std::move(sets->train);
 }
 
-absl::StatusOr<DataSets> open_data_sets(const DataConfig& config, uint64_t seed) {
+absl::StatusOr<DataSets> open_data_sets(const DataConfig& config, uint64_t seed,
+                                        const std::vector<int64_t>& eos_token_ids) {
   const bool embedded = config.source == DataSource::kEmbedded;
   const std::string& name = embedded ? config.path : config.prefix;
-  absl::StatusOr<std::vector<int64_t>> tokens =
-      read_tokens(config.source, config.path, config.prefix);
-  if (!tokens.ok()) return tokens.status();
+  absl::StatusOr<TokenStream> stream = read_tokens(config.source, config.path, config.prefix);
+  if (!stream.ok()) return stream.status();
+  absl::StatusOr<std::optional<std::vector<int64_t>>> starts =
+      document_starts_of(config, name, *stream, eos_token_ids);
+  if (!starts.ok()) return starts.status();
+  std::vector<int64_t>& tokens = stream->tokens;
   std::optional<TokenWindows> valid;
   if (config.valid_fraction > 0) {
     // Note [Held-out validation]: the last windows of the stream. The boundary token is
     // shared (the last training target is the first validation input), so no validation
     // target is ever a training target.
-    const int64_t windows = (static_cast<int64_t>(tokens->size()) - 1) / config.seq_len;
+    const int64_t windows = (static_cast<int64_t>(tokens.size()) - 1) / config.seq_len;
     const int64_t held_out =
         static_cast<int64_t>(static_cast<double>(windows) * config.valid_fraction);
     if (held_out < 1 || held_out >= windows) {
@@ -108,33 +173,60 @@ absl::StatusOr<DataSets> open_data_sets(const DataConfig& config, uint64_t seed)
                        "one for training"));
     }
     const int64_t cut = (windows - held_out) * config.seq_len;
-    std::vector<int64_t> tail(tokens->begin() + cut, tokens->end());
-    tokens->resize(static_cast<size_t>(cut + 1));
-    absl::StatusOr<TokenWindows> held = windows_named(name, std::move(tail), config.seq_len, 0);
+    std::vector<int64_t> tail(tokens.begin() + cut, tokens.end());
+    tokens.resize(static_cast<size_t>(cut + 1));
+    // The tail's starts, shifted to its own positions (the training stream's are cut by
+    // from_tokens at its end).
+    std::optional<std::vector<int64_t>> tail_starts;
+    if (starts->has_value()) {
+      tail_starts.emplace();
+      for (int64_t s : **starts) {
+        if (s >= cut) tail_starts->push_back(s - cut);
+      }
+    }
+    absl::StatusOr<TokenWindows> held =
+        windows_named(name, std::move(tail), config.seq_len, 0, std::move(tail_starts));
     if (!held.ok()) return held.status();
     valid.emplace(std::move(*held));
   } else if (!config.valid_path.empty() || !config.valid_prefix.empty()) {
     const std::string& valid_name = embedded ? config.valid_path : config.valid_prefix;
-    absl::StatusOr<std::vector<int64_t>> valid_tokens =
+    absl::StatusOr<TokenStream> valid_stream =
         read_tokens(config.source, config.valid_path, config.valid_prefix);
-    if (!valid_tokens.ok()) return valid_tokens.status();
-    absl::StatusOr<TokenWindows> held =
-        windows_named(valid_name, std::move(*valid_tokens), config.seq_len, 0);
+    if (!valid_stream.ok()) return valid_stream.status();
+    absl::StatusOr<std::optional<std::vector<int64_t>>> valid_starts =
+        document_starts_of(config, valid_name, *valid_stream, eos_token_ids);
+    if (!valid_starts.ok()) return valid_starts.status();
+    absl::StatusOr<TokenWindows> held = windows_named(valid_name, std::move(valid_stream->tokens),
+                                                      config.seq_len, 0, std::move(*valid_starts));
     if (!held.ok()) return held.status();
     valid.emplace(std::move(*held));
   }
   absl::StatusOr<TokenWindows> train =
-      windows_named(name, std::move(*tokens), config.seq_len, seed);
+      windows_named(name, std::move(tokens), config.seq_len, seed, std::move(*starts));
   if (!train.ok()) return train.status();
   return DataSets{std::move(*train), std::move(valid)};
 }
 
-std::vector<int64_t> TokenWindows::windows_in_order(int64_t first, int64_t count) const {
+std::vector<int64_t> TokenWindows::window_document_starts(int64_t window) const {
+  if (!has_document_starts_) return {0};
+  const int64_t begin = window * seq_len_, end = begin + window_length();
+  std::vector<int64_t> starts = {0};
+  for (auto it = std::upper_bound(document_starts_.begin(), document_starts_.end(), begin);
+       it != document_starts_.end() && *it < end; ++it) {
+    starts.push_back(*it - begin);
+  }
+  return starts;
+}
+
+std::vector<int64_t> TokenWindows::windows_in_order(
+    int64_t first, int64_t count, std::vector<std::vector<int64_t>>* document_starts) const {
   std::vector<int64_t> rows;
   rows.reserve(static_cast<size_t>(count * window_length()));
+  if (document_starts != nullptr) document_starts->clear();
   for (int64_t w = first; w < first + count; ++w) {
     const auto begin = tokens_.begin() + w * seq_len_;
     rows.insert(rows.end(), begin, begin + window_length());
+    if (document_starts != nullptr) document_starts->push_back(window_document_starts(w));
   }
   return rows;
 }
@@ -162,13 +254,16 @@ const std::vector<int64_t>& TokenWindows::order_of_current_epoch() {
   return cached_order_;
 }
 
-std::vector<int64_t> TokenWindows::next_batch(int64_t batch_size) {
+std::vector<int64_t> TokenWindows::next_batch(int64_t batch_size,
+                                              std::vector<std::vector<int64_t>>* document_starts) {
   std::vector<int64_t> batch;
   batch.reserve(batch_size * window_length());
+  if (document_starts != nullptr) document_starts->clear();
   for (int64_t b = 0; b < batch_size; ++b) {
     const int64_t window = order_of_current_epoch()[position_.index];
     const auto begin = tokens_.begin() + window * seq_len_;
     batch.insert(batch.end(), begin, begin + window_length());
+    if (document_starts != nullptr) document_starts->push_back(window_document_starts(window));
     if (++position_.index == num_windows_) {
       position_.index = 0;
       ++position_.epoch;

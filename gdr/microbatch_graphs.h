@@ -52,7 +52,11 @@ class RangeAllReduce;
 // naming train.cuda_graphs) when an op synchronises with the host; keep forward and
 // backward free of .item() and pageable copies. The graph's memory pool holds one
 // microbatch's activations for the run's lifetime (the 0.8B peak falls anyway, as the eager
-// microbatches' allocations go away: docs/benchmarks_log.md).
+// microbatches' allocations go away: docs/benchmarks_log.md). With data.document_masking
+// every microbatch slices its rows at its own document starts (Note [Document masking] in
+// models/qwen/document_bounds.h), so its launches differ from batch to batch: the trainer
+// turns graphs off for such runs, says so after the policy line, and runs every microbatch
+// eagerly; runs without masking are unchanged.
 //
 // One graph per position k mod PairwiseSum::kDeferredLeaves in the step (so up to four),
 // all sharing one memory pool (the activations of one microbatch; CudaGraphCapture's

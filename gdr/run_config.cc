@@ -144,6 +144,10 @@ const std::vector<Field>& run_fields() {
         string_field("data", "valid_prefix",
                      [](RunConfig& c) -> std::string& { return c.data.valid_prefix; }),
         choice_field(
+            "data", "document_masking", {"false", "true"},
+            [](RunConfig& c, size_t i) { c.data.document_masking = i == 1; },
+            [](const RunConfig& c) -> size_t { return c.data.document_masking ? 1 : 0; }),
+        choice_field(
             "optimizer", "impl", {"fused", "loop"},
             [](RunConfig& c, size_t i) {
               c.optimizer.impl = i == 0 ? OptimizerImpl::kFused : OptimizerImpl::kLoop;
@@ -476,6 +480,14 @@ absl::StatusOr<RunConfig> load_run_config(const std::string& path,
   absl::StatusOr<QwenConfig> model = load_model_section(path, root, model_overridden);
   if (!model.ok()) return model.status();
   config.model = *model;
+  // Note [Document starts] (gdr/data.h): the byte corpus has no document index.
+  if (config.data.document_masking && config.data.source == DataSource::kEmbedded &&
+      config.model.eos_token_ids.empty()) {
+    return key_error(path, "data.document_masking",
+                     "true with data.source embedded needs model.eos_token_id (the token that "
+                     "ends a document, e.g. 10 for a newline in the byte corpus); the embedded "
+                     "corpus has no document index");
+  }
   // The rules between choices (Note [Execution policy]), as the file sets them; the
   // environment is applied and checked again at start-up (execution_policy_for_run).
   if (absl::Status s = validate_execution_policy(file_execution_policy(config)); !s.ok()) {

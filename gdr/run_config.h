@@ -9,6 +9,9 @@
 //               seq_len, micro_batch_size
 //               valid_fraction (0..0.5: the held-out tail of the stream), or valid_path /
 //               valid_prefix (a second text file / indexed dataset): the validation set
+//               document_masking: true | false (default false): packed documents kept apart
+//               in the model, starts from the document index / model.eos_token_id (Note
+//               [Document starts] in gdr/data.h; the embedded source needs eos_token_id)
 //   optimizer:  impl: fused | loop (AdamW update, see OptimizerImpl), lr, betas: [b1, b2],
 //               eps, weight_decay, grad_clip (<= 0: no clipping)
 //   schedule:   warmup_steps, total_steps (0: = train.steps), min_lr_ratio (cosine floor)
@@ -65,6 +68,11 @@ struct DataConfig {
   double valid_fraction = 0;
   std::string valid_path;    // embedded
   std::string valid_prefix;  // indexed
+  // Note [Document masking] (models/qwen/document_bounds.h): each microbatch (training and
+  // evaluation) carries its rows' document starts (Note [Document starts] in gdr/data.h) and
+  // the model keeps the documents apart; on CUDA the microbatches then run eagerly (no CUDA
+  // graphs).
+  bool document_masking = false;
 };
 
 // How the AdamW update runs: kFused is gdr::fused_adamw_step_ (ops/fused_adamw/fused_adamw_op.h:

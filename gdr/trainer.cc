@@ -22,6 +22,7 @@
 #include "gdr/sha256.h"
 #include "io/file_util.h"
 #include "models/qwen/hf_checkpoint.h"
+#include "models/qwen/document_bounds.h"
 #include "models/qwen/model.h"
 #include "ops/fused_adamw/fused_adamw_op.h"
 #include "ops/policy/determinism.h"
@@ -138,6 +139,7 @@ std::string format_run_header(const RunConfig& config, const ExecutionPolicy& po
       " linear_attention + ", full, " full_attention, hidden ", m.hidden_size, ") | ",
       cuda ? "cuda" : "cpu", " ", t.dtype == TrainDtype::kBFloat16 ? "bf16" : "fp32",
       " | deterministic ", policy.deterministic ? "on" : "off", " | pre_gdr_fusion ", fusion);
+  if (config.data.document_masking) absl::StrAppend(&line, " | document masking");
   if (cuda) {
     absl::StrAppend(&line, " | gdr core ", execution_policy_value(policy, "gdr_core_impl"),
                     ", prep ", execution_policy_value(policy, "gdr_core_prep"), " | attention ",
@@ -170,6 +172,14 @@ std::string format_policy_line(const ExecutionPolicy& policy,
 }
 
 namespace {
+
+// The data's window starts (Note [Document starts] in gdr/data.h) as the model's bounds;
+// TokenWindows gives valid ones, so a failure is a bug.
+DocumentBounds document_bounds_of(std::vector<std::vector<int64_t>> starts, int64_t length) {
+  absl::StatusOr<DocumentBounds> bounds = DocumentBounds::create(std::move(starts), length);
+  TORCH_CHECK(bounds.ok(), "trainer: ", bounds.status().message());
+  return *std::move(bounds);
+}
 
 // How this rank's microbatches of one step run (Note [Overlapped gradient reduction]).
 struct MicrobatchPlan {
@@ -221,6 +231,9 @@ struct Trainer::Impl {
   std::unique_ptr<MicrobatchGraphs> graphs;
   int64_t eager_microbatches = 0;  // in this process
   std::string init_line;           // what train.init_from loaded, for the run header
+  // Why CUDA graphs are off although train.cuda_graphs asked for them ("" when they are not):
+  // run() prints it after the policy line.
+  std::string cuda_graphs_off_reason;
 
   int rank() const { return group ? group->rank() : 0; }
   int world() const { return group ? group->world_size() : 1; }
@@ -235,17 +248,22 @@ struct Trainer::Impl {
 
   // The phases of train_step, in the order it runs them.
   void clear_grads();
-  std::vector<std::vector<int64_t>> fetch_microbatches();
+  // This rank's microbatches and, with data.document_masking, each one's document bounds
+  // (Note [Document masking]; `documents` gets one entry per microbatch, empty without).
+  std::vector<std::vector<int64_t>> fetch_microbatches(
+      std::vector<std::optional<DocumentBounds>>& documents);
   absl::Status check_token_ids(const std::vector<std::vector<int64_t>>& mine,
                                int64_t step_number) const;
   at::Tensor upload(const std::vector<std::vector<int64_t>>& mine) const;
   MicrobatchPlan plan_microbatches(size_t count) const;
-  absl::Status run_microbatches(const at::Tensor& step_ids, const MicrobatchPlan& plan,
-                                StepStats& stats, LocalGradients& local);
+  absl::Status run_microbatches(const at::Tensor& step_ids,
+                                const std::vector<std::optional<DocumentBounds>>& documents,
+                                const MicrobatchPlan& plan, StepStats& stats,
+                                LocalGradients& local);
   absl::Status replay_microbatch(size_t k, const at::Tensor& ids, const MicrobatchPlan& plan,
                                  StepStats& stats, LocalGradients& local);
-  void eager_microbatch(const at::Tensor& ids, bool hand_over, int64_t divisor,
-                        LocalGradients& local);
+  void eager_microbatch(const at::Tensor& ids, const DocumentBounds* documents, bool hand_over,
+                        int64_t divisor, LocalGradients& local);
   void sync_losses(std::chrono::steady_clock::time_point start, LocalGradients& local,
                    StepStats& stats) const;
   absl::StatusOr<std::vector<at::Tensor>> reduce_gradients(LocalGradients& local, StepStats& stats);
@@ -328,6 +346,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       execution_policy_for_run(config, nullptr, &policy_from_environment);
   if (!policy.ok()) return policy.status();
   if (absl::Status s = apply_deterministic_mode(*policy); !s.ok()) return s;
+  // Note [Document masking] (models/qwen/document_bounds.h): a masked microbatch slices its
+  // rows at its own document starts, so no one captured graph replays every microbatch.
+  std::string cuda_graphs_off_reason;
+  if (config.data.document_masking && config.train.device == TrainDevice::kCuda &&
+      policy->cuda_graphs) {
+    policy->cuda_graphs = false;
+    cuda_graphs_off_reason =
+        "train.cuda_graphs: off for this run: with data.document_masking every microbatch is "
+        "sliced at its own document starts, which one captured CUDA graph cannot replay; "
+        "microbatches run eagerly";
+  }
   const ExecutionPolicyGuard policy_guard(*policy);
   at::Device device(at::kCPU);
   if (config.train.device == TrainDevice::kCuda) {
@@ -339,8 +368,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   }
   seed_cpu_rng(static_cast<uint64_t>(config.train.seed));
   if (config.train.num_threads > 0) at::set_num_threads(static_cast<int>(config.train.num_threads));
-  absl::StatusOr<DataSets> data =
-      open_data_sets(config.data, static_cast<uint64_t>(config.train.seed));
+  absl::StatusOr<DataSets> data = open_data_sets(
+      config.data, static_cast<uint64_t>(config.train.seed), config.model.eos_token_ids);
   if (!data.ok()) return data.status();
 
   auto impl =
@@ -348,6 +377,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
                                      std::move(policy_from_environment), std::move(data->valid)});
   impl->device = device;
   impl->group = std::move(group);
+  impl->cuda_graphs_off_reason = std::move(cuda_graphs_off_reason);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
   if (device.is_cuda() && policy->cuda_graphs) {
     graph_capture = cuda_graph_capture();
@@ -432,12 +462,15 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   stats.step = m.step + 1;
   m.clear_grads();
 
-  const std::vector<std::vector<int64_t>> mine = m.fetch_microbatches();
+  std::vector<std::optional<DocumentBounds>> documents;
+  const std::vector<std::vector<int64_t>> mine = m.fetch_microbatches(documents);
   if (absl::Status s = m.check_token_ids(mine, stats.step); !s.ok()) return s;
   LocalGradients local;
   const at::Tensor step_ids = m.upload(mine);
   const MicrobatchPlan plan = m.plan_microbatches(mine.size());
-  if (absl::Status s = m.run_microbatches(step_ids, plan, stats, local); !s.ok()) return s;
+  if (absl::Status s = m.run_microbatches(step_ids, documents, plan, stats, local); !s.ok()) {
+    return s;
+  }
   m.sync_losses(start, local, stats);
 
   absl::StatusOr<std::vector<at::Tensor>> grads = m.reduce_gradients(local, stats);
@@ -463,14 +496,20 @@ void Trainer::Impl::clear_grads() {
 // Global microbatches k = 0 .. world * accum - 1 of this step; rank r trains on
 // k = r * accum .. r * accum + accum - 1 (see Trainer::create). Every rank reads them all,
 // so the data position stays the same on every rank.
-std::vector<std::vector<int64_t>> Trainer::Impl::fetch_microbatches() {
+std::vector<std::vector<int64_t>> Trainer::Impl::fetch_microbatches(
+    std::vector<std::optional<DocumentBounds>>& documents) {
   const int64_t accum = config.train.grad_accum;
   const int64_t batch = config.data.micro_batch_size;
   const int64_t microbatches = world() * accum;
+  const bool masking = config.data.document_masking;
   std::vector<std::vector<int64_t>> mine;
+  documents.clear();
   for (int64_t k = 0; k < microbatches; ++k) {
-    std::vector<int64_t> b = data.next_batch(batch);
-    if (k / accum == rank()) mine.push_back(std::move(b));
+    std::vector<std::vector<int64_t>> starts;
+    std::vector<int64_t> b = data.next_batch(batch, masking ? &starts : nullptr);
+    if (k / accum != rank()) continue;
+    mine.push_back(std::move(b));
+    if (masking) documents.push_back(document_bounds_of(std::move(starts), data.window_length()));
   }
   return mine;
 }
@@ -551,18 +590,21 @@ MicrobatchPlan Trainer::Impl::plan_microbatches(size_t count) const {
 
 // Each microbatch, in order: a graph replay once a microbatch has run eagerly in this
 // process (Note [Microbatch graphs]), except the eager hand-over one; else eagerly.
-absl::Status Trainer::Impl::run_microbatches(const at::Tensor& step_ids, const MicrobatchPlan& plan,
-                                             StepStats& stats, LocalGradients& local) {
+absl::Status Trainer::Impl::run_microbatches(
+    const at::Tensor& step_ids, const std::vector<std::optional<DocumentBounds>>& documents,
+    const MicrobatchPlan& plan, StepStats& stats, LocalGradients& local) {
   const int64_t batch = config.data.micro_batch_size;
   const int64_t window = data.window_length();
   for (size_t k = 0; k < plan.count; ++k) {
     const at::Tensor ids = step_ids[static_cast<int64_t>(k)];
     const bool hand_over = plan.overlap_eager && k + 1 == plan.count;
     stats.tokens += batch * (window - 1);
-    if (!hand_over && graphs != nullptr && eager_microbatches > 0) {
+    // Masked microbatches never replay: graphs are off with data.document_masking.
+    const DocumentBounds* bounds = documents.empty() ? nullptr : &*documents[k];
+    if (!hand_over && graphs != nullptr && eager_microbatches > 0 && bounds == nullptr) {
       if (absl::Status s = replay_microbatch(k, ids, plan, stats, local); !s.ok()) return s;
     } else {
-      eager_microbatch(ids, hand_over, plan.divisor, local);
+      eager_microbatch(ids, bounds, hand_over, plan.divisor, local);
     }
   }
   return absl::OkStatus();
@@ -597,10 +639,10 @@ absl::Status Trainer::Impl::replay_microbatch(size_t k, const at::Tensor& ids,
 // leaf of the tree. With `hand_over` each parameter's final local sum goes to the
 // cross-rank reduction from a hook as backward produces it (Note [Overlapped gradient
 // reduction]).
-void Trainer::Impl::eager_microbatch(const at::Tensor& ids, bool hand_over, int64_t divisor,
-                                     LocalGradients& local) {
+void Trainer::Impl::eager_microbatch(const at::Tensor& ids, const DocumentBounds* documents,
+                                     bool hand_over, int64_t divisor, LocalGradients& local) {
   ++eager_microbatches;
-  const at::Tensor loss = model->loss(ids, ids);
+  const at::Tensor loss = documents ? model->loss(ids, ids, *documents) : model->loss(ids, ids);
   std::vector<unsigned> hooks;
   if (hand_over) {
     std::vector<std::vector<int64_t>> shapes;
@@ -985,6 +1027,7 @@ absl::Status Trainer::run(std::ostream& log) {
         << std::endl
         << format_policy_line(impl_->policy, impl_->policy_from_environment) << std::endl;
     if (!impl_->init_line.empty() && impl_->step == 0) log << impl_->init_line << std::endl;
+    if (!impl_->cuda_graphs_off_reason.empty()) log << impl_->cuda_graphs_off_reason << std::endl;
     for (const std::string& name : unknown_gdr_environment_variables()) {
       log << "warning: " << name << " is set but no part of gdr reads it (a misspelt switch?)"
           << std::endl;
@@ -1071,7 +1114,15 @@ absl::StatusOr<EvalStats> Trainer::evaluate() {
                      " windows, fewer than one batch of data.micro_batch_size = ", batch));
   }
   std::vector<std::vector<int64_t>> rows;
-  for (int64_t b = 0; b < batches; ++b) rows.push_back(m.valid->windows_in_order(b * batch, batch));
+  std::vector<std::optional<DocumentBounds>> documents;  // Note [Document masking]
+  for (int64_t b = 0; b < batches; ++b) {
+    std::vector<std::vector<int64_t>> starts;
+    const bool masking = m.config.data.document_masking;
+    rows.push_back(m.valid->windows_in_order(b * batch, batch, masking ? &starts : nullptr));
+    if (masking) {
+      documents.push_back(document_bounds_of(std::move(starts), m.valid->window_length()));
+    }
+  }
   const int64_t vocab = m.config.model.vocab_size;
   if (const std::optional<BadToken> bad = first_out_of_vocabulary(rows, vocab)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -1083,7 +1134,11 @@ absl::StatusOr<EvalStats> Trainer::evaluate() {
     at::NoGradGuard no_grad;
     const at::Tensor ids = m.upload(rows);
     std::vector<at::Tensor> losses;
-    for (int64_t b = 0; b < batches; ++b) losses.push_back(m.model->loss(ids[b], ids[b]).detach());
+    for (int64_t b = 0; b < batches; ++b) {
+      losses.push_back((documents.empty() ? m.model->loss(ids[b], ids[b])
+                                          : m.model->loss(ids[b], ids[b], *documents[b]))
+                           .detach());
+    }
     // One sync, then the mean in a fixed order on the host.
     const at::Tensor host = at::stack(losses).to(at::kDouble).cpu();
     double sum = 0;

@@ -100,7 +100,8 @@ std::string format_progress_line(const StepStats& stats, int64_t total_steps);
 
 // The line Trainer::run prints first (rank 0), saying what is about to run: size, device,
 // precision, determinism, the kernel switches in effect (CUDA only: CPU runs the
-// composites) and the step's tokens, e.g.
+// composites), "document masking" when data.document_masking is on, and the step's
+// tokens, e.g.
 // "run: 0.85B parameters (24 layers: 18 linear_attention + 6 full_attention, hidden 1024) |
 //  cuda bf16 | deterministic on | pre_gdr_fusion gate | gdr core kernel, prep kernel |
 //  attention cudnn | 8192 tokens per step (1 rank x 4 microbatches x 1 x 2048) |

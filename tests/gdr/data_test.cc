@@ -157,6 +157,111 @@ TEST(DataTest, AValidationFileIsASecondStreamReadInIndexOrder) {
             "at least one window for validation and one for training");
 }
 
+// Note [Document starts]: the hand computations below are independent of data.cc.
+TEST(DataTest, EosTokensStartADocumentRightAfterThem) {
+  // EOS 9 at positions 1, 3, 4, 7 and 10 (the last token: no start past the end).
+  const std::vector<int64_t> tokens = {5, 9, 1, 9, 9, 2, 3, 9, 4, 4, 9};
+  EXPECT_EQ(document_starts_after_eos(tokens, {9}), (std::vector<int64_t>{2, 4, 5, 8}));
+  EXPECT_EQ(document_starts_after_eos(tokens, {4, 5}), (std::vector<int64_t>{1, 9, 10}));
+  EXPECT_TRUE(document_starts_after_eos(tokens, {}).empty());
+  // Windows of seq_len 4: [0, 5) and [4, 9) (the 11th token is the dropped tail).
+  absl::StatusOr<TokenWindows> w =
+      TokenWindows::from_tokens(tokens, 4, 1, document_starts_after_eos(tokens, {9}));
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(w->has_document_starts());
+  EXPECT_EQ(w->window_document_starts(0), (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_EQ(w->window_document_starts(1), (std::vector<int64_t>{0, 1, 4}));
+  // next_batch and windows_in_order hand out each row's starts in row order.
+  std::vector<std::vector<int64_t>> starts;
+  const std::vector<int64_t> order = w->epoch_order(0);
+  w->next_batch(2, &starts);
+  ASSERT_EQ(starts.size(), 2u);
+  EXPECT_EQ(starts[0], w->window_document_starts(order[0]));
+  EXPECT_EQ(starts[1], w->window_document_starts(order[1]));
+  w->windows_in_order(1, 1, &starts);
+  EXPECT_EQ(starts, (std::vector<std::vector<int64_t>>{{0, 1, 4}}));
+  // Without document starts every window is one document.
+  absl::StatusOr<TokenWindows> plain = TokenWindows::from_tokens(tokens, 4, 1);
+  EXPECT_FALSE(plain->has_document_starts());
+  EXPECT_EQ(plain->window_document_starts(1), std::vector<int64_t>{0});
+}
+
+TEST(DataTest, AnIndexedDatasetsDocumentIndexGivesTheStarts) {
+  const std::string prefix = std::string(std::getenv("TEST_TMPDIR")) + "/documents";
+  absl::StatusOr<io::IndexedDatasetBuilder> builder =
+      io::IndexedDatasetBuilder::create(prefix, io::TokenDType::kUInt8);
+  ASSERT_TRUE(builder.ok()) << builder.status();
+  // Document 0: two sequences, tokens 1..5; document 1: 6..9; document 2: empty;
+  // document 3: 10..15. The stream is 1..15, documents start at 0, 5 and 9.
+  ASSERT_TRUE(builder->add_item({1, 2, 3}).ok());
+  ASSERT_TRUE(builder->add_item({4, 5}).ok());
+  builder->end_document();
+  ASSERT_TRUE(builder->add_item({6, 7, 8, 9}).ok());
+  builder->end_document();
+  builder->end_document();
+  ASSERT_TRUE(builder->add_item({10, 11, 12, 13, 14, 15}).ok());
+  ASSERT_TRUE(builder->finalize().ok());
+  DataConfig config;
+  config.source = DataSource::kIndexed;
+  config.prefix = prefix;
+  config.seq_len = 5;
+  config.document_masking = true;
+  // Windows [0, 6) and [5, 11): the second document starts at the first window's last
+  // token (its last target is dropped) and at the second window's first.
+  absl::StatusOr<TokenWindows> w = TokenWindows::open(config, 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->num_windows(), 2);
+  EXPECT_EQ(w->window_document_starts(0), (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(w->window_document_starts(1), (std::vector<int64_t>{0, 4}));
+  // An EOS token (7, at stream position 6) adds a start after it to the index's.
+  absl::StatusOr<TokenWindows> with_eos = TokenWindows::open(config, 1, {7});
+  ASSERT_TRUE(with_eos.ok()) << with_eos.status();
+  EXPECT_EQ(with_eos->window_document_starts(1), (std::vector<int64_t>{0, 2, 4}));
+  // Masking off: no starts are computed.
+  config.document_masking = false;
+  EXPECT_FALSE(TokenWindows::open(config, 1)->has_document_starts());
+}
+
+TEST(DataTest, HeldOutWindowsKeepTheirDocumentStarts) {
+  DataConfig config;  // embedded, data/corpus.txt
+  config.document_masking = true;
+  config.valid_fraction = 0.1;
+  const std::vector<int64_t> newline = {'\n'};
+  absl::StatusOr<DataSets> sets = open_data_sets(config, 1, newline);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  DataConfig whole_config;
+  whole_config.document_masking = true;
+  absl::StatusOr<TokenWindows> whole = TokenWindows::open(whole_config, 1, newline);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const int64_t train_windows = sets->train.num_windows();
+  int64_t multi = 0;
+  for (int64_t w = 0; w < train_windows; ++w) {
+    EXPECT_EQ(sets->train.window_document_starts(w), whole->window_document_starts(w)) << w;
+    multi += sets->train.window_document_starts(w).size() > 1 ? 1 : 0;
+  }
+  for (int64_t w = 0; w < sets->valid->num_windows(); ++w) {
+    EXPECT_EQ(sets->valid->window_document_starts(w),
+              whole->window_document_starts(train_windows + w))
+        << w;
+  }
+  EXPECT_GT(multi, train_windows / 2) << "the corpus has lines shorter than a window";
+  // Independent check of one window: the positions after each '\n' in its tokens.
+  const std::vector<int64_t> tokens = whole->windows_in_order(3, 1);
+  std::vector<int64_t> expected = {0};
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
+    if (tokens[i] == '\n') expected.push_back(static_cast<int64_t>(i) + 1);
+  }
+  EXPECT_EQ(whole->window_document_starts(3), expected);
+}
+
+TEST(DataTest, MaskingTheEmbeddedCorpusNeedsAnEosToken) {
+  DataConfig config;
+  config.document_masking = true;
+  EXPECT_EQ(TokenWindows::open(config, 1).status().message(),
+            "data/corpus.txt: data.document_masking: the embedded corpus has no document index; "
+            "set model.eos_token_id to the token that ends a document");
+}
+
 TEST(DataTest, MissingSourceIsNotFound) {
   DataConfig config;
   config.path = "data/nope.txt";

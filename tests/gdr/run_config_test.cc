@@ -221,6 +221,16 @@ INSTANTIATE_TEST_SUITE_P(
                   "train:\n  eval_batches: 0\n",
                   {},
                   "$: train.eval_batches: expected an integer >= 1 but got 0"},
+        ErrorCase{"bad_document_masking",
+                  "data:\n  document_masking: yes please\n",
+                  {},
+                  "$: data.document_masking: expected one of false, true but got 'yes please'"},
+        ErrorCase{"document_masking_embedded_without_eos",
+                  "data:\n  document_masking: true\n",
+                  {},
+                  "$: data.document_masking: true with data.source embedded needs "
+                  "model.eos_token_id (the token that ends a document, e.g. 10 for a newline in "
+                  "the byte corpus); the embedded corpus has no document index"},
         ErrorCase{"override_unknown_section",
                   "",
                   {{"trainer.steps", "5"}},
@@ -288,6 +298,23 @@ TEST(RunConfigTest, DeterministicModeWithFullFusionIsRefusedWhenTheFileIsLoaded)
                 "pre_gdr_fusion: gate or none");
 }
 
+TEST(RunConfigTest, DocumentMaskingIsOffByDefaultAndReadWithItsEosToken) {
+  const std::string path = write_config("masking.yaml", kModelSection);
+  absl::StatusOr<RunConfig> plain = load_run_config(path);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->data.document_masking);
+  EXPECT_TRUE(plain->model.eos_token_ids.empty());
+  absl::StatusOr<RunConfig> masked =
+      load_run_config(path, {{"data.document_masking", "true"}, {"model.eos_token_id", "10"}});
+  ASSERT_TRUE(masked.ok()) << masked.status();
+  EXPECT_TRUE(masked->data.document_masking);
+  EXPECT_EQ(masked->model.eos_token_ids, std::vector<int64_t>{10});
+  // An indexed dataset has its document index: no eos_token_id needed.
+  absl::StatusOr<RunConfig> indexed = load_run_config(
+      path, {{"data.document_masking", "true"}, {"data.source", "indexed"}, {"data.prefix", "x"}});
+  EXPECT_TRUE(indexed.ok()) << indexed.status();
+}
+
 TEST(RunConfigTest, MissingModelSectionIsAnError) {
   const std::string path = write_config("no_model.yaml", "train:\n  steps: 3\n");
   EXPECT_EQ(load_run_config(path).status().message(),
@@ -345,6 +372,10 @@ TEST(ResumeConfigTest, NamesEveryKeyThatChangesTheComputation) {
                                       {"kernels.attention", "aten"}})),
             (std::vector<std::string>{"model.rope_theta", "optimizer.lr", "optimizer.betas",
                                       "train.seed", "kernels.attention"}));
+  // Document masking changes what every step computes, and so does its EOS token.
+  EXPECT_EQ(
+      differences(tiny(), tiny({{"data.document_masking", "true"}, {"model.eos_token_id", "10"}})),
+      (std::vector<std::string>{"model.eos_token_id", "data.document_masking"}));
   // With total_steps 0 the schedule ends at train.steps, so changing it moves the LR.
   EXPECT_EQ(differences(tiny(), tiny({{"train.steps", "60"}})),
             (std::vector<std::string>{"schedule.total_steps (effective: 0 means train.steps)"}));

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <csignal>
+#include <sstream>
+#include <string>
 
 #include "gdr/trainer.h"
 #include "tests/gdr/trainer_test_util.h"
@@ -91,6 +93,37 @@ TEST_P(TrainerGpuTest, CudaGraphRunEqualsEagerRunByteForByte) {
     EXPECT_TRUE(bytes_equal(graphed->optimizer_tensors(), eager->optimizer_tensors()))
         << microbatches << " microbatches";
   }
+}
+
+// Note [Document masking]: masked microbatches run eagerly whatever train.cuda_graphs says
+// (the run says why after the policy line), so the two settings give the same bits, and
+// reruns are byte-identical.
+TEST_P(TrainerGpuTest, DocumentMaskingRunsEagerlyAndIsByteIdentical) {
+  RunConfig masked = config();
+  masked.data.document_masking = true;
+  masked.model.eos_token_ids = {10};
+  masked.train.steps = 2;
+  RunConfig eager = masked;
+  eager.train.cuda_graphs = false;
+  std::unique_ptr<Trainer> a = make_trainer(masked), b = make_trainer(masked),
+                           c = make_trainer(eager);
+  std::ostringstream log;
+  ASSERT_TRUE(a->run(log).ok());
+  EXPECT_NE(log.str().find("\ntrain.cuda_graphs: off for this run: with data.document_masking"),
+            std::string::npos)
+      << log.str();
+  EXPECT_NE(log.str().find(" cuda_graphs=false"), std::string::npos) << log.str();
+  for (Trainer* t : {b.get(), c.get()}) {
+    for (int i = 0; i < 2; ++i) {
+      const absl::StatusOr<StepStats> s = t->train_step();
+      ASSERT_TRUE(s.ok()) << s.status();
+      EXPECT_EQ(s->graph_replays, 0);
+      EXPECT_TRUE(std::isfinite(s->loss));
+    }
+  }
+  EXPECT_TRUE(bytes_equal(a->master_parameters(), b->master_parameters()));
+  EXPECT_TRUE(bytes_equal(a->master_parameters(), c->master_parameters()));
+  EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), c->optimizer_tensors()));
 }
 
 TEST_P(TrainerGpuTest, ResumeFromStepOneEqualsTheUninterruptedRunAtStepThree) {

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "gdr/data.h"
+#include "models/qwen/document_bounds.h"
 #include "models/qwen/model.h"
 #include "tests/gdr/trainer_test_util.h"
 
@@ -107,6 +109,76 @@ TEST_P(ResumeTest, ResumeFromStepOneEqualsTheUninterruptedRunAtStepThree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ResumeTest, testing::Values("fp32", "bf16"));
+
+// Note [Document masking]: with data.document_masking the trainer hands each microbatch its
+// rows' document starts (here: after each '\n' of the byte corpus). Checked against the model
+// run with starts computed independently from the tokens, and for determinism, resume and
+// evaluation.
+TEST(TrainerTest, DocumentMaskingHandsTheModelEachRowsDocumentStarts) {
+  const RunConfig config =
+      tiny_run_config({{"data.document_masking", "true"}, {"model.eos_token_id", "10"}});
+  std::unique_ptr<Trainer> trainer = make_trainer(config);
+  // The first microbatch, read the way the trainer reads it.
+  absl::StatusOr<TokenWindows> windows = TokenWindows::open(config.data, config.train.seed, {10});
+  ASSERT_TRUE(windows.ok()) << windows.status();
+  const int64_t rows = config.data.micro_batch_size, length = windows->window_length();
+  const std::vector<int64_t> tokens = windows->next_batch(rows);
+  std::vector<std::vector<int64_t>> starts(rows);
+  int64_t documents = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    starts[r].push_back(0);
+    for (int64_t t = 0; t + 1 < length; ++t) {
+      if (tokens[r * length + t] == '\n') starts[r].push_back(t + 1);
+    }
+    documents += static_cast<int64_t>(starts[r].size());
+  }
+  ASSERT_GT(documents, rows) << "the first microbatch packs several lines per row";
+  absl::StatusOr<DocumentBounds> bounds = DocumentBounds::create(starts, length);
+  ASSERT_TRUE(bounds.ok()) << bounds.status();
+  const at::Tensor ids = at::tensor(tokens, at::kLong).view({rows, length});
+  const double expected = trainer->model().loss(ids, ids, *bounds).item<double>();
+  const double unmasked = trainer->model().loss(ids, ids).item<double>();
+  const absl::StatusOr<StepStats> step = trainer->train_step();
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->microbatch_losses[0], expected);
+  EXPECT_NE(step->microbatch_losses[0], unmasked);
+  // The run says so in its first line.
+  EXPECT_NE(format_run_header(config, file_execution_policy(config), 1000, 1, 1)
+                .find(" | pre_gdr_fusion gate | document masking | 512 tokens per step"),
+            std::string::npos);
+}
+
+TEST(TrainerTest, DocumentMaskingRunsAreByteIdenticalResumableAndEvaluateMasked) {
+  const std::vector<ConfigOverride> masking = {{"data.document_masking", "true"},
+                                               {"model.eos_token_id", "10"},
+                                               {"data.valid_fraction", "0.1"}};
+  const RunConfig config = tiny_run_config(masking);
+  const std::string dir = scratch_dir("masked_ckpt");
+  std::unique_ptr<Trainer> a = make_trainer(config), b = make_trainer(config);
+  run_steps(*a, 1);
+  ASSERT_TRUE(a->save_checkpoint(checkpoint_step_dir(dir, 1)).ok());
+  run_steps(*a, 1);
+  run_steps(*b, 2);
+  EXPECT_TRUE(bytes_equal(a->master_parameters(), b->master_parameters()));
+  EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), b->optimizer_tensors()));
+  std::unique_ptr<Trainer> resumed = make_trainer(config);
+  ASSERT_TRUE(resumed->resume(dir).ok());
+  run_steps(*resumed, 1);
+  EXPECT_TRUE(bytes_equal(a->master_parameters(), resumed->master_parameters()));
+  EXPECT_TRUE(bytes_equal(a->optimizer_tensors(), resumed->optimizer_tensors()));
+  // A checkpoint of a masked run does not resume an unmasked one.
+  std::unique_ptr<Trainer> unmasked =
+      make_trainer(tiny_run_config({{"data.valid_fraction", "0.1"}, {"model.eos_token_id", "10"}}));
+  const absl::Status refused = unmasked->resume(dir);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.message().find("data.document_masking"), std::string::npos) << refused;
+  // Evaluation masks the validation windows too.
+  absl::StatusOr<EvalStats> masked_eval = a->evaluate();
+  ASSERT_TRUE(masked_eval.ok()) << masked_eval.status();
+  EXPECT_TRUE(std::isfinite(masked_eval->loss));
+  std::unique_ptr<Trainer> plain = make_trainer(tiny_run_config({{"data.valid_fraction", "0.1"}}));
+  EXPECT_NE(plain->evaluate()->loss, make_trainer(config)->evaluate()->loss);
+}
 
 TEST(TrainerTest, ResumeUnderAConfigThatComputesDifferentlyIsRefused) {
   std::unique_ptr<Trainer> first = make_trainer(tiny_run_config());

@@ -188,7 +188,7 @@ constexpr char kHfConfig[] = R"({
   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-06,
   "full_attention_interval": 4, "rope_theta": 10000000, "partial_rotary_factor": 0.25,
   "tie_word_embeddings": true, "hidden_act": "silu", "max_position_embeddings": 262144,
-  "initializer_range": 0.02, "bos_token_id": 248044, "eos_token_id": 248044
+  "initializer_range": 0.02, "bos_token_id": 255, "eos_token_id": 255
 })";
 
 TEST(UntrustedInput, TheConfigJsonReaderReturnsAStatusForAnyMutation) {
