@@ -193,8 +193,10 @@ at::Tensor document_masked_labels(const at::Tensor& labels, const DocumentBounds
               labels.sizes());
   if (documents.single_documents()) return labels;
   at::Tensor positions = at::tensor(documents.flat_starts_after_the_first(), at::kLong);
-  // A small host-to-device copy; masked batches run eagerly (Note [Document masking]).
-  if (labels.is_cuda()) positions = positions.to(labels.device());
+  // From pinned memory without blocking, as the trainer uploads the ids: a pageable copy
+  // would wait for the GPU to finish the work queued so far.
+  if (labels.is_cuda())
+    positions = positions.pin_memory().to(labels.device(), /*non_blocking=*/true);
   return labels.reshape({-1}).index_fill(0, positions, kIgnoreIndex).view(labels.sizes());
 }
 
