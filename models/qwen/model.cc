@@ -68,9 +68,8 @@ std::pair<at::Tensor, at::Tensor> DecoderLayerImpl::forward_pending(
         documents ? std::make_shared<const DocumentBounds>(*documents) : nullptr;
     mixed = recompute_in_backward(
         [self, bounds](const std::vector<at::Tensor>& in) {
-          return std::vector<at::Tensor>{self->linear_attn
-                                             ? self->linear_attn(in[0], bounds.get())
-                                             : self->self_attn(in[0], bounds.get())};
+          return std::vector<at::Tensor>{self->linear_attn ? self->linear_attn(in[0], bounds.get())
+                                                           : self->self_attn(in[0], bounds.get())};
         },
         {normed})[0];
   } else {

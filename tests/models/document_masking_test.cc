@@ -14,6 +14,7 @@
 #include "models/qwen/config.h"
 #include "models/qwen/document_bounds.h"
 #include "models/qwen/model.h"
+#include "ops/policy/execution_policy.h"
 #include "tests/ops/bitwise_equal.h"
 
 namespace gdr {
@@ -129,6 +130,38 @@ TEST(DocumentMasking, RowsOfOneDocumentTakeTheOrdinaryPathBitForBit) {
   EXPECT_TRUE(single.single_documents());
   EXPECT_TRUE(bitwise_equal(model->forward(ids, single), model->forward(ids)));
   EXPECT_TRUE(bitwise_equal(model->loss(ids, ids, single), model->loss(ids, ids)));
+}
+
+// Note [Recomputation] with bounds: the recomputing blocks re-run each layer with the same
+// document starts, so masked gradients are the plain run's bits.
+TEST(DocumentMasking, RecomputationKeepsTheMaskedLossAndGradientsBitForBit) {
+  QwenForCausalLM model = tiny_model();
+  const at::Tensor ids = random_ids(6);
+  auto loss_and_grads = [&](Recompute recompute) {
+    ExecutionPolicy policy;
+    policy.recompute = recompute;
+    const ExecutionPolicyGuard guard(policy);
+    std::vector<at::Tensor> grads;
+    at::Tensor loss;
+    {
+      // The bounds die before the backward: the blocks must keep what they need.
+      const DocumentBounds documents = bounds(kStarts, kT);
+      for (at::Tensor& p : model->parameters()) p.mutable_grad().reset();
+      loss = model->loss(ids, ids, documents);
+    }
+    loss.backward();
+    for (const at::Tensor& p : model->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss.detach(), grads);
+  };
+  const auto [plain_loss, plain_grads] = loss_and_grads(Recompute::kNone);
+  for (Recompute recompute : {Recompute::kAttention, Recompute::kFull}) {
+    const auto [loss, grads] = loss_and_grads(recompute);
+    EXPECT_TRUE(bitwise_equal(loss, plain_loss));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(grads[i], plain_grads[i]))
+          << i << " recompute " << static_cast<int>(recompute);
+    }
+  }
 }
 
 TEST(DocumentMasking, TheLossDropsTheTargetsAtDocumentStarts) {
