@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -94,23 +96,48 @@ inline double median_paired_ratio(const std::function<void()>& numerator,
 // GPU time of one call of `fn` without host overhead: `warmup_calls` eager calls on a side
 // stream (autotuning, cuDNN algorithm choice and allocations happen before capture), then
 // `calls_per_graph` calls captured in one CUDA graph, median replay time (median_event_ms)
-// divided by calls_per_graph. Returns -1 (and says why on stderr) when the work cannot be
-// captured.
+// divided by calls_per_graph. Returns -1 when the work cannot be captured (a host sync
+// inside, say), with the reason in *error when error is given (else on stderr); the broken
+// capture is ended first, so the stream and the caching allocator leave capture mode and
+// the caller can go on measuring other cases.
 inline double median_graph_ms(const std::function<void()>& fn, int calls_per_graph,
-                              int warmup_calls, int warmup, int repeats) {
+                              int warmup_calls, int warmup, int repeats,
+                              std::string* error = nullptr) {
   c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
   c10::cuda::getCurrentCUDAStream().synchronize();  // inputs made on the current stream
   c10::cuda::CUDAStreamGuard guard(capture_stream);
   for (int i = 0; i < warmup_calls; ++i) fn();
   capture_stream.synchronize();
+  at::cuda::CUDAGraph graph;
   try {
-    at::cuda::CUDAGraph graph;
     graph.capture_begin();
-    for (int i = 0; i < calls_per_graph; ++i) fn();
+    try {
+      for (int i = 0; i < calls_per_graph; ++i) fn();
+    } catch (...) {
+      // capture_end leaves the allocator's capture pool, then throws for the invalidated
+      // capture; the body's error is the one worth reporting.
+      try {
+        graph.capture_end();
+      } catch (...) {
+      }
+      (void)cudaGetLastError();
+      throw;
+    }
     graph.capture_end();
     return median_event_ms([&] { graph.replay(); }, warmup, repeats) / calls_per_graph;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
+    if (error != nullptr) {
+      *error = e.what_without_backtrace();
+    } else {
+      std::fprintf(stderr, "graph capture failed: %s\n", e.what_without_backtrace());
+    }
+    return -1.0;
+  } catch (const std::exception& e) {
+    if (error != nullptr) {
+      *error = e.what();
+    } else {
+      std::fprintf(stderr, "graph capture failed: %s\n", e.what());
+    }
     return -1.0;
   }
 }
