@@ -9,8 +9,9 @@
 // fp32 (the same values in FP32). Prints one `ACCURACY {json}` line per path and tensor
 // (o, final_state, dq, dk, dv, dg, dbeta): max |err|, max |err| / max |ref|,
 // ||err|| / ||ref||, max |ref|. With --check=TOL it exits 1 when a max relative error
-// exceeds TOL (the CPU test's use).
+// exceeds TOL (for scripted checks).
 #include <c10/core/Device.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdio>
@@ -30,6 +31,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Inputs, reference and file, then each path's errors; the exit code of main.
+int run(const gdr::bench::AccuracyShape& shape, uint64_t seed, const std::string& inputs_path,
+        const c10::Device& device, const std::vector<std::string>& paths,
+        gdr::bench::CoreForm reference_form, double check);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,6 +50,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> paths = {"bf16", "fp32"};
   gdr::bench::CoreForm reference_form = gdr::bench::CoreForm::kChunked;
   double check = -1;
+  long long key_heads = 0;  // 0: H
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     long long value = 0;
@@ -57,7 +64,8 @@ int main(int argc, char** argv) {
           "  distributions, raw q/k with the fused L2 norm), one 'ACCURACY {json}' line per path\n"
           "  and tensor; inputs and reference are written to PATH (default\n"
           "  gdr_core_accuracy_inputs.safetensors) for tools/gpu/gdn_anchor_accuracy.py.\n"
-          "  Defaults: 1 x 2048, H = Hk = 16, dk = dv = 128, seed 0, cuda, both paths, chunked.\n");
+          "  Defaults: 1 x 2048, H = 16, Hk = H, dk = dv = 128, seed 0, cuda, both paths, "
+          "chunked.\n");
       return 0;
     }
     if (std::sscanf(argv[i], "--batch=%lld", &value) == 1 && value > 0) {
@@ -67,7 +75,7 @@ int main(int argc, char** argv) {
     } else if (std::sscanf(argv[i], "--heads=%lld", &value) == 1 && value > 0) {
       shape.H = value;
     } else if (std::sscanf(argv[i], "--key_heads=%lld", &value) == 1 && value > 0) {
-      shape.Hk = value;
+      key_heads = value;
     } else if (std::sscanf(argv[i], "--dk=%lld", &value) == 1 && value > 0) {
       shape.dk = value;
     } else if (std::sscanf(argv[i], "--dv=%lld", &value) == 1 && value > 0) {
@@ -100,11 +108,25 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  shape.Hk = key_heads > 0 ? key_heads : shape.H;
   if (shape.H % shape.Hk != 0) {
     std::fprintf(stderr, "gdr_core_accuracy: --heads must be a multiple of --key_heads\n");
     return 2;
   }
-  const c10::Device device(device_name);
+  try {
+    return run(shape, static_cast<uint64_t>(seed), inputs_path, c10::Device(device_name), paths,
+               reference_form, check);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "gdr_core_accuracy: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
+
+namespace {
+
+int run(const gdr::bench::AccuracyShape& shape, uint64_t seed, const std::string& inputs_path,
+        const c10::Device& device, const std::vector<std::string>& paths,
+        gdr::bench::CoreForm reference_form, double check) {
   const auto start = std::chrono::steady_clock::now();
   const gdr::bench::AccuracyInputs in = gdr::bench::make_accuracy_inputs(shape, seed);
   const gdr::bench::NamedResults reference =
@@ -145,3 +167,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace

@@ -316,7 +316,13 @@ void bench_json(const Shape& shape, int64_t H, int64_t Hk, int64_t dk, int64_t d
                               {"dv", dv},
                               {"documents", documents},
                               {"inputs", input_names[static_cast<int>(inputs)]}};
-  auto short_error = [](const std::string& what) { return what.substr(0, 300); };
+  // The message without libtorch's backtrace, on one line, short enough for a table cell.
+  auto short_error = [](const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    std::string what = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    return what.substr(0, 300);
+  };
   try {
     const CoreCase c = make_case(shape, H, Hk, dk, dv, inputs, documents);
     auto forward = [&] { c.forward(); };
@@ -327,7 +333,7 @@ void bench_json(const Shape& shape, int64_t H, int64_t Hk, int64_t dk, int64_t d
       r["step7"] = name_of(gdr_core_last_step7());
       r["prep"] = name_of(gdr_core_last_prep());
     } catch (const std::exception& e) {
-      r["eager_error"] = short_error(e.what());
+      r["eager_error"] = short_error(e);
     }
     std::string error;
     double ms = 0;
@@ -343,7 +349,10 @@ void bench_json(const Shape& shape, int64_t H, int64_t Hk, int64_t dk, int64_t d
                                 kGraphRepeats, &error);
     if (ms >= 0) r["fwdbwd_ms_graph"] = round4(ms);
     if (ms < 0) graph_error += (graph_error.empty() ? "" : "; ") + ("fwd+bwd: " + error);
-    if (!graph_error.empty()) r["graph_error"] = short_error(graph_error);
+    if (!graph_error.empty()) {
+      std::replace(graph_error.begin(), graph_error.end(), '\n', ' ');
+      r["graph_error"] = graph_error.substr(0, 300);
+    }
     try {
       std::vector<at::Tensor> runs;
       for (int i = 0; i < 3; ++i) {
@@ -353,10 +362,10 @@ void bench_json(const Shape& shape, int64_t H, int64_t Hk, int64_t dk, int64_t d
       }
       r["bwd_bitexact_3_replays"] = at::equal(runs[0], runs[1]) && at::equal(runs[0], runs[2]);
     } catch (const std::exception& e) {
-      r["replay_error"] = short_error(e.what());
+      r["replay_error"] = short_error(e);
     }
   } catch (const std::exception& e) {
-    r["error"] = short_error(e.what());
+    r["error"] = short_error(e);
   }
   std::printf("GDR %s\n", r.dump().c_str());
   std::fflush(stdout);

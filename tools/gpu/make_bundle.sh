@@ -6,19 +6,33 @@
 #   bash .gpu/run_all.sh
 # run_all.sh writes gpu_tests.log, junit.tar and bench.md under $OUT (or ./gpu-out).
 # On a GPU box that has Bazel, `bazel test --test_tag_filters=gpu //...` also works.
+# BUNDLE_TARGETS="//bench:a //bench:b" bundles only those bench binaries (no tests, no
+# CLIs): a few MB of xz where the device carry must leave room for something else, e.g.
+#   BUNDLE_TARGETS="//bench:gdr_core_bench //bench:gdr_core_accuracy" bash tools/gpu/make_bundle.sh
+# beside the 46 MB anchor wheels of tools/gpu/gdr_core_vs_anchors.sh (the full bundle, ~21 MB,
+# would take the carry past its 64 MiB).
 set -euo pipefail
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo_root"
 bash tools/setup.sh
 
-mapfile -t tests < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
-mapfile -t benches < <(bazel query --noshow_progress 'kind(cc_binary, //bench/...)' 2>/dev/null)
-# CLIs the GPU runs need: the CUDA trainer and the snapshot comparer.
-mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc_binary, //tools/...)) + //tools:compare_snapshots' 2>/dev/null)
+if [ -n "${BUNDLE_TARGETS:-}" ]; then
+  tests=()
+  clis=()
+  read -r -a benches <<<"$BUNDLE_TARGETS"
+  for b in "${benches[@]}"; do
+    [[ "$b" == //bench:* ]] || { echo "make_bundle: BUNDLE_TARGETS takes //bench:NAME labels, got '$b'" >&2; exit 2; }
+  done
+else
+  mapfile -t tests < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
+  mapfile -t benches < <(bazel query --noshow_progress 'kind(cc_binary, //bench/...)' 2>/dev/null)
+  # CLIs the GPU runs need: the CUDA trainer and the snapshot comparer.
+  mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc_binary, //tools/...)) + //tools:compare_snapshots' 2>/dev/null)
+fi
 echo "make_bundle: ${#tests[@]} GPU tests, ${#benches[@]} benchmarks"
 # Static linking of our own libraries keeps the bundle self-contained apart from
 # libtorch/CUDA, which the GPU machine has.
-bazel build --dynamic_mode=off --define=cuda_archs=sm90 "${tests[@]}" "${benches[@]}" "${clis[@]}"
+bazel build --dynamic_mode=off --define=cuda_archs=sm90 ${tests[@]+"${tests[@]}"} "${benches[@]}" ${clis[@]+"${clis[@]}"}
 
 rm -rf .gpu
 mkdir -p .gpu/tests .gpu/bench .gpu/tools
@@ -34,9 +48,9 @@ copy_target() {  # label dest_dir
       tar -C "$dest/$name" -xf -
   fi
 }
-for t in "${tests[@]}"; do copy_target "$t" .gpu/tests; done
+for t in ${tests[@]+"${tests[@]}"}; do copy_target "$t" .gpu/tests; done
 for b in "${benches[@]}"; do copy_target "$b" .gpu/bench; done
-for c in "${clis[@]}"; do copy_target "$c" .gpu/tools; done
+for c in ${clis[@]+"${clis[@]}"}; do copy_target "$c" .gpu/tools; done
 cp tools/state_equality_check.sh bench/step_timing_paired.sh tools/gpu/dp_scaling.sh tools/launch.sh .gpu/
 # System libraries of this machine the GPU machine may lack (Debian's Abseil, yaml-cpp,
 # OpenSSL's libcrypto).
