@@ -106,6 +106,7 @@ run_step gdr_extra 410 env -C "$bench/gdr_core_bench" LD_LIBRARY_PATH="$cxx_libs
 run_step gdr_extra 400 env -C "$bench/gdr_core_bench" LD_LIBRARY_PATH="$cxx_libs" \
   ./gdr_core_bench --json --dtype=model --shapes=1x2048 --heads=32 --key_heads=16
 # Writes the seeded inputs and gdr's FP64 reference that the anchors' accuracy runs read.
+[[ "$steps" == *" gdr_accuracy "* ]] && rm -f "$inputs" "$inputs.pyref.pt"
 run_step gdr_accuracy 370 env -C "$bench/gdr_core_accuracy" LD_LIBRARY_PATH="$cxx_libs" \
   ./gdr_core_accuracy --inputs="$inputs" ${ACCURACY_ARGS:-}
 run_step flashqla 240 python3 tools/gpu/gdn_anchor.py flashqla
