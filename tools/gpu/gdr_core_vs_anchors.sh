@@ -63,7 +63,7 @@ done
 cxx_libs="$cxx_libs:$root/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-say "gdr_core_vs_anchors: $gpu; commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); budget ${budget} s"
+say "gdr_core_vs_anchors: $gpu; bundle built from $(cat .gpu/REVISION 2>/dev/null || echo '?'); budget ${budget} s"
 python3 - <<'EOF' 2>&1 | tee -a "$log"
 import importlib.metadata as m
 names = ("torch", "triton", "flash-linear-attention", "fla-core", "flash-qla", "tilelang")
@@ -120,6 +120,6 @@ else
   say "=== accuracy of the anchors: skipped, no inputs file (the gdr_accuracy step failed?)"
 fi
 
-python3 tools/gpu/gdr_vs_anchors_table.py "$log" "$gpu" >"$out/gdr_vs_anchors.md"
+python3 tools/gpu/gdr_vs_anchors_table.py "$log" "$gpu, $(date -u +%F), bundle $(cut -c1-12 .gpu/REVISION 2>/dev/null)" >"$out/gdr_vs_anchors.md"
 cat "$out/gdr_vs_anchors.md"
 say "gdr_core_vs_anchors: done in $(($(date +%s) - start)) s"

@@ -63,6 +63,9 @@ for bin in .gpu/tests/*/* .gpu/bench/*/* .gpu/tools/*/*; do
   done
 done
 cp tools/gpu/run_all.sh .gpu/run_all.sh
+# The tree the binaries were built from ("+dirty" when it had uncommitted changes), for the
+# record of a GPU run (the machine gets no .git).
+echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo +dirty)" >.gpu/REVISION
 du -sh .gpu
 # The binaries share most of their bytes (statically linked kernels and libraries): one xz
 # stream with a 64 MiB dictionary packs ~100 MB into a few MB for the device carry.
