@@ -16,8 +16,9 @@
 # a form independent of gdr's FP64 reference (the chunked composite) stored in the file: the
 # script prints how far the two references are apart (ACCURACY_REF), which should be ~1e-12.
 # Paths: bf16 = the stored BF16 q, k, v, beta and FP32 g as gdn_anchor.py passes them; fp32 =
-# the same values in FP32 (FlashQLA takes 16-bit only, so FLA would route fp32 to Triton: the
-# script says which backend ran, by counting calls into flash_qla).
+# the same values in FP32 (FlashQLA takes 16-bit only, so FLA would route fp32 to Triton; the
+# flashqla run skips it). Each line says which backend FLA dispatched to (its dispatcher's
+# record, else whether flash_qla.chunk_gated_delta_rule was called).
 import argparse
 import json
 import os
@@ -110,6 +111,17 @@ class CallCounter:
         flash_qla.chunk_gated_delta_rule = counted
 
 
+def backends_logged():
+    """The backends FLA's dispatcher has used so far for the gated delta rule (it records
+    each "operation:function:backend" once, as it logs it); empty where FLA has no registry."""
+    try:
+        from fla.ops.backends import BackendRegistry
+        registry = BackendRegistry._registries.get("gated_delta_rule")
+        return set(registry._logged) if registry is not None else set()
+    except Exception:
+        return set()
+
+
 def run_anchor(inputs, path, scale, counter, device):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     dt = torch.bfloat16 if path == "bf16" else torch.float32
@@ -122,13 +134,17 @@ def run_anchor(inputs, path, scale, counter, device):
     # FLA's op takes as many q/k heads as v heads: repeat them as HF's Qwen3.5 layer does
     # (autograd sums the gradients of the copies back into each key head).
     qq, kk = (q, k) if H == Hk else (q.repeat_interleave(H // Hk, 2), k.repeat_interleave(H // Hk, 2))
-    before = counter.calls
+    before, logged_before = counter.calls, backends_logged()
     o, final_state = chunk_gated_delta_rule(qq, kk, v, g, beta, scale=scale, output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)
     o.backward(inputs["d_o"].to(device, o.dtype))
     if device == "cuda":
         torch.cuda.synchronize()
-    backend = "flash_qla" if counter.calls > before else "fla_triton"
+    new = sorted(k.split(":")[-1] for k in backends_logged() - logged_before if "chunk_gated_delta_rule" in k)
+    if new:
+        backend = ",".join(new)
+    else:
+        backend = "flash_qla" if counter.calls > before else "fla default (Triton)"
     out = {"o": o.detach(), "final_state": final_state.detach(), "dq": q.grad, "dk": k.grad,
            "dv": v.grad, "dg": g.grad, "dbeta": beta.grad}
     return {n: t.cpu() for n, t in out.items()}, backend
