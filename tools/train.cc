@@ -1,7 +1,7 @@
 // train: runs gdr's trainer from a YAML run config.
 //
 //   bazel run //tools:train -- --config=configs/train_tiny.yaml [--set=train.steps=5]
-//       [--resume=checkpoints/tiny/step_10]
+//       [--resume=checkpoints/tiny/step_10] [--eval_only]
 //
 // Exit status: 0 done, 1 training failed (e.g. a non-finite loss with on_nonfinite: stop),
 // 2 bad input (flags, config, checkpoint). Errors are one line on stderr.
@@ -23,7 +23,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: train --config=FILE [--set=SECTION.KEY=VALUE ...] [--resume=DIR]\n"
-    "             [--allow_config_change]\n"
+    "             [--allow_config_change] [--eval_only]\n"
     "\n"
     "Trains a Qwen3.5-style model as the run config FILE says (see gdr/run_config.h).\n"
     "  --config=FILE   YAML run config (model, data, optimizer, schedule, train sections)\n"
@@ -33,6 +33,11 @@ constexpr char kUsage[] =
     "  --allow_config_change  resume even though the config computes differently from the\n"
     "                  checkpoint's (logging and output paths may always change, and\n"
     "                  train.steps when schedule.total_steps fixes the schedule's end)\n"
+    "  --eval_only     no training: evaluate the model (from --resume, train.init_from or\n"
+    "                  the seed's init) on the run's validation set once, print the eval\n"
+    "                  line and exit (data.valid_fraction / valid_path / valid_prefix;\n"
+    "                  train.eval_batches batches); with --resume the config may differ\n"
+    "                  from the checkpoint's as long as the model's tensors match\n"
     "  --help          this text\n"
     "Relative paths are taken from the directory `bazel run` was started in.\n"
     "Data parallel: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and\n"
@@ -55,6 +60,7 @@ int main(int argc, char** argv) {
   }
   std::string config_path, resume;
   bool allow_config_change = false;
+  bool eval_only = false;
   std::vector<gdr::ConfigOverride> overrides;
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
@@ -64,6 +70,8 @@ int main(int argc, char** argv) {
     }
     if (arg == "--allow_config_change") {
       allow_config_change = true;
+    } else if (arg == "--eval_only") {
+      eval_only = true;
     } else if (absl::ConsumePrefix(&arg, "--config=")) {
       config_path = std::string(arg);
     } else if (absl::ConsumePrefix(&arg, "--resume=")) {
@@ -92,11 +100,19 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<gdr::Trainer>> trainer = gdr::Trainer::create(*config, group);
   if (!trainer.ok()) return fail(2, trainer.status().message());
   if (!resume.empty()) {
-    if (absl::Status s = (*trainer)->resume(resume, allow_config_change); !s.ok())
+    // Evaluating a checkpoint continues no run: any config may read its weights (the
+    // tensors must still match the model).
+    if (absl::Status s = (*trainer)->resume(resume, allow_config_change || eval_only); !s.ok())
       return fail(2, s.message());
     if (dist->rank == 0) {
       std::cout << "resumed from " << resume << " at step " << (*trainer)->step() << std::endl;
     }
+  }
+  if (eval_only) {
+    absl::StatusOr<gdr::EvalStats> eval = (*trainer)->evaluate();
+    if (!eval.ok()) return fail(2, eval.status().message());
+    if (dist->rank == 0) std::cout << gdr::format_eval_line(*eval) << std::endl;
+    return 0;
   }
   if (absl::Status s = (*trainer)->run(std::cout); !s.ok()) return fail(1, s.message());
   return 0;

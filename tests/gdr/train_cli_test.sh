@@ -7,7 +7,9 @@
 #   5. bad input: unknown flag, bad --set, corrupted checkpoint -> one error line, exit 2;
 #      token ids beyond model.vocab_size (found in step 1, after the run header) -> one
 #      error line, exit 1; an invalid GDR_* variable -> one error line naming it, exit 2;
-#   6. --help works for both binaries.
+#   6. --help works for both binaries;
+#   7. --eval_only from a checkpoint prints the run's own evaluation at that step, and
+#      without a validation set is one error line, exit 2.
 set -u
 TRAIN="$1"
 COMPARE="$2"
@@ -47,6 +49,19 @@ done
 run other_seed --set=train.seed=99
 expect_rc 1 "other seed differs" "$COMPARE" "$OUT/a/snap" "$OUT/other_seed/snap"
 expect_rc 2 "missing evidence" "$COMPARE" "$OUT/a/snap" "$OUT/nope"
+
+# --eval_only from a checkpoint reports what the run's own evaluation after that step did.
+run evaluated --set=data.valid_fraction=0.1 --set=train.eval_every=3 --set=train.eval_batches=2
+in_run=$(grep "^eval step 3 loss " "$OUT/last.log" | head -1 | sed 's/ tokens, .*//')
+[ -n "$in_run" ] || fail "no eval line in the run: $(cat "$OUT/last.log")"
+expect_rc 0 "eval only" "$TRAIN" --config="$CONFIG" --set=data.valid_fraction=0.1 \
+  --set=train.eval_every=3 --set=train.eval_batches=2 --resume="$OUT/evaluated/ckpt" --eval_only
+[ "$(grep "^eval step 3 loss " "$OUT/last.log" | sed 's/ tokens, .*//')" = "$in_run" ] ||
+  fail "eval_only: expected '$in_run' but got: $(cat "$OUT/last.log")"
+grep -q "^step " "$OUT/last.log" && fail "eval_only trained: $(cat "$OUT/last.log")"
+expect_rc 2 "eval only without a validation set" "$TRAIN" --config="$CONFIG" --eval_only
+grep -q "^train: error: evaluate: the run has no validation set" "$OUT/last.log" ||
+  fail "expected the no-validation-set error: $(cat "$OUT/last.log")"
 
 expect_rc 2 "unknown flag" "$TRAIN" --config="$CONFIG" --bogus
 grep -q "^train: error: unknown argument '--bogus' (see --help)$" "$OUT/last.log" || fail "$(cat "$OUT/last.log")"
