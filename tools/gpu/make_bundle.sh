@@ -26,8 +26,8 @@ if [ -n "${BUNDLE_TARGETS:-}" ]; then
 else
   mapfile -t tests < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
   mapfile -t benches < <(bazel query --noshow_progress 'kind(cc_binary, //bench/...)' 2>/dev/null)
-  # CLIs the GPU runs need: the CUDA trainer and the snapshot comparer.
-  mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc_binary, //tools/...)) + //tools:compare_snapshots' 2>/dev/null)
+  # CLIs the GPU runs need: the CUDA trainer, the snapshot comparer, the HF exporter.
+  mapfile -t clis < <(bazel query --noshow_progress 'attr(tags, "\bgpu\b", kind(cc_binary, //tools/...)) + //tools:compare_snapshots + //tools:export_hf' 2>/dev/null)
 fi
 echo "make_bundle: ${#tests[@]} GPU tests, ${#benches[@]} benchmarks"
 # Static linking of our own libraries keeps the bundle self-contained apart from
