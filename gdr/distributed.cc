@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <deque>
@@ -483,6 +484,53 @@ std::pair<c10::intrusive_ptr<c10d::Work>, std::function<void()>> start_all_reduc
 }  // namespace
 
 c10d::Backend& ProcessGroup::backend() const { return *impl_->backend; }
+
+std::vector<int> optimizer_state_owners(const std::vector<int64_t>& numels, int world) {
+  std::vector<int64_t> owned(std::max(world, 1), 0);
+  std::vector<int> owners;
+  owners.reserve(numels.size());
+  for (int64_t n : numels) {
+    // min_element returns the first minimum: ties go to the lowest rank.
+    const int r = static_cast<int>(std::min_element(owned.begin(), owned.end()) - owned.begin());
+    owners.push_back(r);
+    owned[r] += n;
+  }
+  return owners;
+}
+
+absl::Status ProcessGroup::broadcast(const std::vector<at::Tensor>& tensors, int root,
+                                     int64_t bucket_bytes) {
+  try {
+    at::NoGradGuard no_grad;
+    // Byte views: the collective moves bytes, so any dtype goes (BF16 included) unchanged.
+    std::vector<at::Tensor> bytes;
+    for (const at::Tensor& t : tensors) {
+      TORCH_CHECK(t.is_contiguous(), "broadcast: tensors must be contiguous");
+      if (t.numel() > 0) bytes.push_back(t.reshape({-1}).view(at::kByte));
+    }
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    for (size_t begin = 0; begin < bytes.size();) {
+      size_t end = begin + 1;
+      int64_t size = bytes[begin].numel();
+      while (end < bytes.size() && size + bytes[end].numel() <= bucket_bytes) {
+        size += bytes[end++].numel();
+      }
+      // One tensor goes in place; several through a concatenated copy.
+      std::vector<at::Tensor> io{end - begin == 1 ? bytes[begin] : concat_flat(bytes, begin, end)};
+      backend().broadcast(io, options)->wait();
+      if (end - begin > 1) copy_from_flat(io[0], bytes, begin, end);
+      begin = end;
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", env_.rank, " of ", env_.world_size, ": broadcast from rank ", root,
+                     " failed (a peer died, or did not answer within the timeout, "
+                     "GDR_DIST_TIMEOUT_S): ",
+                     error_text(e)));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ProcessGroup::all_reduce_sum(const std::vector<at::Tensor>& tensors,
                                           const std::vector<double>& extra,

@@ -28,7 +28,8 @@
 // the all-gather is NCCL's (pure data movement, so NCCL_ALGO does not matter) and the tree runs on
 // the GPU. Two ranks skip the all-gather: one all-reduce gives the same bits (Note [Two-rank
 // all-reduce] in distributed.cc). Overlap with the backward: OverlappedReduction and RangeAllReduce
-// below; sharded optimizer state is future work.
+// below; sharded optimizer state (train.shard_optimizer_state): ProcessGroup::broadcast and
+// Note [Sharded optimizer state] in gdr/trainer.cc.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -92,6 +93,16 @@ class ProcessGroup {
                               const std::vector<double>& extra = {},
                               std::vector<std::vector<double>>* gathered_extra = nullptr,
                               int64_t bucket_elements = kBucketElements);
+
+  // In place: every rank's `tensors` become root's (bit for bit: the bytes are moved, whatever
+  // the dtype). The tensors must be contiguous, on the group's device, and the same shapes and
+  // dtypes in the same order on every rank. Consecutive tensors are packed into byte buckets
+  // of up to `bucket_bytes` (one collective each; a tensor larger than that goes alone, in
+  // place). Sharded optimizer state (Note [Sharded optimizer state] in gdr/trainer.cc) sends
+  // each owner's updated parameters with it. Unavailable, naming the rank, when a peer died or
+  // timed out.
+  absl::Status broadcast(const std::vector<at::Tensor>& tensors, int root,
+                         int64_t bucket_bytes = 4 * kBucketElements);
 
   // Elements per FP32 bucket (64 MiB), and how many buckets' all-gathers may be queued
   // at once (memory: (1 + W) x 64 MiB each).
@@ -213,6 +224,14 @@ class PairwiseSum {
   std::vector<std::vector<at::Tensor>> deferred_;  // single leaves after stack_, in order
   std::vector<at::Tensor> sums_;                   // add_kept's FP32 output buffer (views)
 };
+
+// The owner of each of a model's parameters under sharded optimizer state (Note [Sharded
+// optimizer state] in gdr/trainer.cc), a pure function of the sizes (numel, in named_parameters
+// order) and the world size, so every rank computes the same plan: greedy, each parameter in
+// order to the rank with the fewest owned elements so far, ties to the lowest rank. Every
+// parameter has exactly one owner; the ranks' element counts differ by at most the largest
+// parameter.
+std::vector<int> optimizer_state_owners(const std::vector<int64_t>& numels, int world);
 
 // Start-up agreement, every rank calling with its own value: OK when all ranks' values are
 // equal, else FailedPrecondition on every rank, "<what> differs between ranks: rank 0 <v0>,

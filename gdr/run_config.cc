@@ -227,6 +227,10 @@ const std::vector<Field>& run_fields() {
             [](RunConfig& c, size_t i) { c.train.overlap_grad_reduction = i == 1; },
             [](const RunConfig& c) -> size_t { return c.train.overlap_grad_reduction ? 1 : 0; }),
         choice_field(
+            "train", "shard_optimizer_state", {"false", "true"},
+            [](RunConfig& c, size_t i) { c.train.shard_optimizer_state = i == 1; },
+            [](const RunConfig& c) -> size_t { return c.train.shard_optimizer_state ? 1 : 0; }),
+        choice_field(
             "train", "cuda_graphs", {"false", "true"},
             [](RunConfig& c, size_t i) { c.train.cuda_graphs = i == 1; },
             [](const RunConfig& c) -> size_t { return c.train.cuda_graphs ? 1 : 0; }),
@@ -385,6 +389,7 @@ bool may_change_on_resume(absl::string_view dotted) {
       "train.snapshot_dir",
       "train.on_nonfinite",
       "train.overlap_grad_reduction",
+      "train.shard_optimizer_state",  // checkpoints hold the full state either way
       "train.cuda_graphs",
       "train.eval_every",
       "train.eval_batches",

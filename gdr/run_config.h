@@ -22,6 +22,7 @@
 //               on_nonfinite: stop | skip,
 //               num_threads (ATen intra-op threads; 0 = ATen's default, one per core),
 //               overlap_grad_reduction: true | false (sum / reduce during the last backward)
+//               shard_optimizer_state: false | true (ZeRO-1 over data-parallel ranks; same bits)
 //               cuda_graphs: true | false (CUDA: replay microbatches from a CUDA graph)
 //               eval_every (0 = never), eval_batches: evaluation on the validation set
 //               init_from: a Hugging Face checkpoint to start from ("" = reference init)
@@ -118,6 +119,10 @@ struct TrainConfig {
   // (Note [Overlapped gradient reduction] in gdr/distributed.h and gdr/trainer.cc); same
   // bits either way.
   bool overlap_grad_reduction = true;
+  // Data parallelism: each rank keeps the AdamW moments (and, in bf16, the FP32 masters) of
+  // the parameters it owns only, steps those, and broadcasts their new values (Note [Sharded
+  // optimizer state] in gdr/trainer.cc); ignored with one rank; same bits either way.
+  bool shard_optimizer_state = false;
   // CUDA only (ignored on CPU): capture one microbatch's forward and backward into a CUDA
   // graph and replay it (Note [Microbatch graphs] in gdr/microbatch_graphs.h); same bits
   // either way.
@@ -194,9 +199,9 @@ absl::StatusOr<ExecutionPolicy> execution_policy_for_run(
 // errors) and `current`, leaving out what a resumed run may change without changing what
 // its steps compute: train.steps (unless it moves the schedule's end), log_every,
 // metrics_path, checkpoint_dir, checkpoint_every, snapshot_dir, on_nonfinite,
-// overlap_grad_reduction, cuda_graphs and the kernels: choices that give the same bits
-// (ExecutionPolicyKey::same_bits). Model keys
-// are compared as written. Empty when the resumed run continues the same computation.
+// overlap_grad_reduction, shard_optimizer_state, cuda_graphs and the kernels: choices that give the
+// same bits (ExecutionPolicyKey::same_bits). Model keys are compared as written. Empty when the
+// resumed run continues the same computation.
 absl::StatusOr<std::vector<std::string>> resume_config_differences(
     const std::string& saved_config_text, const std::string& saved_source,
     const RunConfig& current);

@@ -155,6 +155,30 @@ std::string format_run_header(const RunConfig& config, const ExecutionPolicy& po
   return line;
 }
 
+std::string format_sharding_line(const std::vector<int64_t>& numels, const std::vector<int>& owners,
+                                 int world) {
+  auto count = [](int64_t n) {
+    const double v = static_cast<double>(n);
+    return v >= 1e9   ? absl::StrFormat("%.2fB", v / 1e9)
+           : v >= 1e6 ? absl::StrFormat("%.1fM", v / 1e6)
+           : v >= 1e3 ? absl::StrFormat("%.1fK", v / 1e3)
+                      : absl::StrCat(n);
+  };
+  std::vector<std::string> ranks;
+  for (int r = 0; r < world; ++r) {
+    int64_t tensors = 0, elements = 0;
+    for (size_t i = 0; i < owners.size(); ++i) {
+      if (owners[i] != r) continue;
+      ++tensors;
+      elements += numels[i];
+    }
+    ranks.push_back(
+        absl::StrCat("rank ", r, " owns ", tensors, " tensors, ", count(elements), " elements"));
+  }
+  return absl::StrCat("optimizer state: sharded over ", world, " ranks (",
+                      absl::StrJoin(ranks, "; "), ")");
+}
+
 std::string format_policy_line(const ExecutionPolicy& policy,
                                const std::vector<std::string>& from_environment) {
   std::string line = absl::StrCat("execution policy: ", describe_execution_policy(policy));
@@ -218,9 +242,13 @@ struct Trainer::Impl {
   QwenForCausalLM model{nullptr};
   at::Device device{at::kCPU};
   std::vector<std::string> names;
-  std::vector<at::Tensor> params;   // the model's, in names order
-  std::vector<at::Tensor> masters;  // FP32; the same tensors as params for fp32
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::vector<at::Tensor> params;  // the model's, in names order
+  // FP32; the same tensors as params for fp32. With sharded optimizer state in bf16, undefined
+  // for the parameters this rank does not own (Note [Sharded optimizer state]).
+  std::vector<at::Tensor> masters;
+  std::unique_ptr<torch::optim::AdamW> optimizer;  // over the owned masters when sharded
+  // Note [Sharded optimizer state]: the rank owning each parameter; empty when not sharded.
+  std::vector<int> owner;
   int64_t step = 0;
   // Kept from the last step for snapshots.
   std::vector<at::Tensor> last_grads;
@@ -239,6 +267,18 @@ struct Trainer::Impl {
   int world() const { return group ? group->world_size() : 1; }
 
   bool mixed() const { return config.train.dtype == TrainDtype::kBFloat16; }
+  bool sharded() const { return !owner.empty(); }
+  bool owns(size_t i) const { return owner.empty() || owner[i] == rank(); }
+
+  // The masters and AdamW state of every parameter as master_parameters() and
+  // optimizer_tensors() return them. Sharded: a collective (every rank calls it at the same
+  // point), each non-owned parameter's master and state broadcast from its owner, kept as CPU
+  // copies when `keep` (else dropped after the transfer, for ranks that only take part).
+  absl::Status full_state(bool keep, io::NamedTensors* model_out,
+                          io::NamedTensors* optimizer_out) const;
+  // Sharded: each owner's updated parameters to every rank (the BF16 params in bf16, the
+  // FP32 masters in fp32, which are the params).
+  absl::Status broadcast_updated_parameters(int64_t step_number);
 
   torch::optim::AdamWParamState* adam_state(const at::Tensor& master) const {
     auto it = optimizer->state().find(master.unsafeGetTensorImpl());
@@ -269,7 +309,7 @@ struct Trainer::Impl {
   absl::StatusOr<std::vector<at::Tensor>> reduce_gradients(LocalGradients& local, StepStats& stats);
   void measure(const std::vector<at::Tensor>& grads, StepStats& stats) const;
   absl::StatusOr<bool> check_finite(const StepStats& stats) const;
-  void clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats);
+  absl::Status clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats);
   void record(std::vector<at::Tensor> grads, std::chrono::steady_clock::time_point start,
               StepStats& stats);
 
@@ -293,6 +333,7 @@ struct Trainer::Impl {
     };
     std::map<int64_t, Group> groups;
     for (size_t i = 0; i < masters.size(); ++i) {
+      if (!owns(i)) continue;  // Note [Sharded optimizer state]
       const at::Tensor& master = masters[i];
       torch::optim::AdamWParamState* st = adam_state(master);
       if (st == nullptr) {
@@ -379,6 +420,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
   impl->group = std::move(group);
   impl->cuda_graphs_off_reason = std::move(cuda_graphs_off_reason);
   CudaGraphCapture graph_capture = nullptr;  // Note [Microbatch graphs]
+  std::string initial_checksum;              // of the masters, before any is released
   if (device.is_cuda() && policy->cuda_graphs) {
     graph_capture = cuda_graph_capture();
     if (graph_capture == nullptr) {
@@ -413,11 +455,26 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
       impl->masters.push_back(impl->mixed() ? item.value().detach().to(at::kFloat).clone()
                                             : item.value());
     }
+    if (impl->world() > 1) initial_checksum = tensors_checksum(impl->masters);
+    // Note [Sharded optimizer state]
+    if (config.train.shard_optimizer_state && impl->world() > 1) {
+      std::vector<int64_t> numels;
+      for (const at::Tensor& p : impl->params) numels.push_back(p.numel());
+      impl->owner = optimizer_state_owners(numels, impl->world());
+    }
+    std::vector<at::Tensor> owned;
+    for (size_t i = 0; i < impl->masters.size(); ++i) {
+      if (impl->owns(i)) {
+        owned.push_back(impl->masters[i]);
+      } else if (impl->mixed()) {
+        impl->masters[i] = at::Tensor();  // the BF16 param is all a non-owner needs
+      }
+    }
     torch::optim::AdamWOptions options(config.optimizer.lr);
     options.betas({config.optimizer.beta1, config.optimizer.beta2})
         .eps(config.optimizer.eps)
         .weight_decay(config.optimizer.weight_decay);
-    impl->optimizer = std::make_unique<torch::optim::AdamW>(impl->masters, options);
+    impl->optimizer = std::make_unique<torch::optim::AdamW>(owned, options);
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(config.source, ": ", e.what_without_backtrace()));
@@ -429,8 +486,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::create(const RunConfig& config
         [m](const at::Tensor& ids) { return m->model->loss(ids, ids); });
   }
   if (impl->world() > 1) {
-    if (absl::Status s = check_same_on_all_ranks(*impl->group, "initial parameter checksum",
-                                                 tensors_checksum(impl->masters));
+    if (absl::Status s =
+            check_same_on_all_ranks(*impl->group, "initial parameter checksum", initial_checksum);
         !s.ok()) {
       return s;
     }
@@ -480,7 +537,7 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
   if (!finite.ok()) return finite.status();
   m.last_losses = stats.microbatch_losses;
   if (*finite) {
-    m.clip_and_step(*grads, stats);
+    if (absl::Status s = m.clip_and_step(*grads, stats); !s.ok()) return s;
   } else {
     stats.skipped = true;
   }
@@ -490,7 +547,9 @@ absl::StatusOr<StepStats> Trainer::train_step_or_throw() {
 
 void Trainer::Impl::clear_grads() {
   for (at::Tensor& p : params) p.mutable_grad().reset();
-  for (at::Tensor& p : masters) p.mutable_grad().reset();
+  for (at::Tensor& p : masters) {
+    if (p.defined()) p.mutable_grad().reset();
+  }
 }
 
 // Global microbatches k = 0 .. world * accum - 1 of this step; rank r trains on
@@ -646,8 +705,9 @@ void Trainer::Impl::eager_microbatch(const at::Tensor& ids, const DocumentBounds
   std::vector<unsigned> hooks;
   if (hand_over) {
     std::vector<std::vector<int64_t>> shapes;
-    for (const at::Tensor& p : masters) shapes.push_back(p.sizes().vec());
-    local.overlapped = std::make_unique<OverlappedReduction>(*group, shapes, masters[0].options());
+    for (const at::Tensor& p : params) shapes.push_back(p.sizes().vec());
+    local.overlapped = std::make_unique<OverlappedReduction>(
+        *group, shapes, at::TensorOptions().dtype(at::kFloat).device(device));
     for (size_t i = 0; i < params.size(); ++i) {
       hooks.push_back(params[i].register_hook([this, &local, i](at::Tensor grad) {
         local.overlapped->set(i,
@@ -711,7 +771,9 @@ absl::StatusOr<std::vector<at::Tensor>> Trainer::Impl::reduce_gradients(LocalGra
   } else {
     grads = local.tree.finish();
   }
-  for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = grads[i];
+  for (size_t i = 0; i < masters.size(); ++i) {
+    if (masters[i].defined()) masters[i].mutable_grad() = grads[i];
+  }
   if (world() > 1) {
     std::vector<std::vector<double>> losses;
     // Overlapped: the gradients are reduced already; only the losses are gathered.
@@ -769,24 +831,143 @@ absl::StatusOr<bool> Trainer::Impl::check_finite(const StepStats& stats) const {
 
 // Clips the gradients to optimizer.grad_clip and takes the optimizer step at stats.lr;
 // `grads` alias the masters' .grad.
-void Trainer::Impl::clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats) {
+absl::Status Trainer::Impl::clip_and_step(std::vector<at::Tensor>& grads, const StepStats& stats) {
   const double clip = config.optimizer.grad_clip;
   // One scale factor computed on the host: the same bits however the grads are laid out.
   double coef = 1.0;
   if (clip > 0) coef = std::min(1.0, clip / (stats.grad_norm + 1e-6));
   if (config.optimizer.impl == OptimizerImpl::kFused) {
     // Clips the grads (they alias the masters' .grad), updates the masters and, in mixed
-    // precision, writes the BF16 params (Note [Fused AdamW]).
+    // precision, writes the BF16 params (Note [Fused AdamW]). Sharded: the owned ones.
     fused_adamw_step(stats.lr, coef);
+    if (sharded() && coef < 1.0) {
+      // The other gradients clipped too, so snapshots record what the replicated run's do.
+      std::vector<at::Tensor> others;
+      for (size_t i = 0; i < grads.size(); ++i) {
+        if (!owns(i)) others.push_back(grads[i]);
+      }
+      at::NoGradGuard no_grad;
+      if (!others.empty()) at::_foreach_mul_(others, coef);
+    }
   } else {
     at::NoGradGuard no_grad;
     if (coef < 1.0) at::_foreach_mul_(grads, coef);  // grads alias the masters' .grad
     for (auto& param_group : optimizer->param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(param_group.options()).lr(stats.lr);
     }
-    optimizer->step();
-    if (mixed()) at::_foreach_copy_(params, masters);
+    optimizer->step();  // the owned masters only when sharded: the optimizer holds no others
+    if (mixed()) {
+      std::vector<at::Tensor> owned_params, owned_masters;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!owns(i)) continue;
+        owned_params.push_back(params[i]);
+        owned_masters.push_back(masters[i]);
+      }
+      if (!owned_params.empty()) at::_foreach_copy_(owned_params, owned_masters);
+    }
   }
+  if (sharded()) return broadcast_updated_parameters(stats.step);
+  return absl::OkStatus();
+}
+
+// Note [Sharded optimizer state] (train.shard_optimizer_state, ZeRO stage 1): with W > 1
+// ranks each parameter has one owner, optimizer_state_owners (gdr/distributed.h) of the
+// parameters' sizes in named_parameters order, the same plan on every rank. Every rank still
+// gets the full summed gradients (Note [Gradient reduction tree]) and computes the gradient
+// norm and clip factor from them as before; only the owner steps a parameter (both
+// optimizer.impl paths are given the owned masters alone) and keeps its AdamW moments and, in
+// bf16, its FP32 master: a non-owner keeps the BF16 parameter only. After the step each
+// owner's updated parameters are broadcast to all ranks (ProcessGroup::broadcast: the bytes
+// of the FP32 parameters, which are the masters, in fp32; of the BF16 parameters in bf16),
+// in rank order. AdamW is elementwise, so the owner computes exactly the bits a replicated
+// run computes, and the sharded run is byte-identical to it: train.shard_optimizer_state
+// may change on resume. Checkpoints and snapshots keep their format (the full state):
+// full_state gathers each non-owned master and state from its owner, tensor by tensor, as
+// CPU copies; resume reads the whole checkpoint on every rank and keeps the owned moments
+// and masters. The step's microbatch graphs (Note [Microbatch graphs]) are unaffected: the
+// optimizer step and the broadcast run outside them and write the parameters in place.
+// Memory per parameter with W ranks: AdamW moments 8 B / W, in bf16 FP32 masters 4 B / W,
+// plus the replicated parameters, gradients and FP32 reduced gradients.
+absl::Status Trainer::Impl::broadcast_updated_parameters(int64_t step_number) {
+  for (int r = 0; r < world(); ++r) {
+    std::vector<at::Tensor> mine;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner[i] == r) mine.push_back(params[i]);
+    }
+    if (absl::Status s = group->broadcast(mine, r); !s.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("step ", step_number, ": sharded optimizer state: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Impl::full_state(bool keep, io::NamedTensors* model_out,
+                                       io::NamedTensors* optimizer_out) const {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    const bool local = owns(i);
+    at::Tensor master;
+    bool has_state = false;
+    int64_t step_count = 0;
+    at::Tensor avg, sq;
+    if (local) {
+      master = masters[i].detach();
+      if (const torch::optim::AdamWParamState* st = adam_state(masters[i]); st != nullptr) {
+        has_state = true;
+        step_count = st->step();
+        avg = st->exp_avg();
+        sq = st->exp_avg_sq();
+      }
+    }
+    if (sharded()) {
+      // One buffer per parameter: {has_state, step} as int64, exp_avg, exp_avg_sq, master (FP32).
+      const int64_t n = params[i].numel();
+      const at::TensorOptions bytes = at::TensorOptions().dtype(at::kByte).device(device);
+      at::Tensor buffer;
+      if (local) {
+        const at::Tensor header =
+            at::tensor(std::vector<int64_t>{has_state ? 1 : 0, step_count}, at::kLong).to(device);
+        const at::Tensor zeros =
+            at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(device));
+        std::vector<at::Tensor> pieces{header.view(at::kByte)};
+        for (const at::Tensor& t : {has_state ? avg : zeros, has_state ? sq : zeros, master}) {
+          pieces.push_back(t.contiguous().reshape({-1}).view(at::kByte));
+        }
+        buffer = at::cat(pieces);
+      } else {
+        buffer = at::empty({16 + 3 * 4 * n}, bytes);
+      }
+      if (absl::Status s = group->broadcast({buffer}, owner[i]); !s.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("gathering the sharded optimizer state: ", s.message()));
+      }
+      if (!local) {
+        if (!keep) continue;
+        const at::Tensor host = buffer.cpu();
+        const at::Tensor header = host.narrow(0, 0, 16).view(at::kLong);
+        has_state = header[0].item<int64_t>() != 0;
+        step_count = header[1].item<int64_t>();
+        auto piece = [&](int k) {
+          return host.narrow(0, 16 + k * 4 * n, 4 * n)
+              .view(at::kFloat)
+              .clone()
+              .view(params[i].sizes());
+        };
+        avg = piece(0);
+        sq = piece(1);
+        master = piece(2);
+      }
+    }
+    if (!keep) continue;
+    if (model_out != nullptr) model_out->emplace_back(name, master);
+    if (optimizer_out != nullptr && has_state) {
+      optimizer_out->emplace_back(name + ".exp_avg", avg);
+      optimizer_out->emplace_back(name + ".exp_avg_sq", sq);
+      optimizer_out->emplace_back(name + ".step", at::scalar_tensor(step_count, at::kLong));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Keeps the gradients the optimizer consumed for write_snapshot (the optimizer reads them
@@ -804,23 +985,33 @@ void Trainer::Impl::record(std::vector<at::Tensor> grads,
 
 io::NamedTensors Trainer::master_parameters() const {
   io::NamedTensors out;
-  for (size_t i = 0; i < impl_->names.size(); ++i) {
-    out.emplace_back(impl_->names[i], impl_->masters[i].detach());
-  }
+  const absl::Status s = impl_->full_state(true, &out, nullptr);
+  TORCH_CHECK(s.ok(), s.ToString());
   return out;
 }
 
 io::NamedTensors Trainer::optimizer_tensors() const {
   io::NamedTensors out;
-  for (size_t i = 0; i < impl_->names.size(); ++i) {
-    const torch::optim::AdamWParamState* st = impl_->adam_state(impl_->masters[i]);
-    if (st == nullptr) continue;
-    const std::string& name = impl_->names[i];
-    out.emplace_back(name + ".exp_avg", st->exp_avg());
-    out.emplace_back(name + ".exp_avg_sq", st->exp_avg_sq());
-    out.emplace_back(name + ".step", at::scalar_tensor(st->step(), at::kLong));
-  }
+  const absl::Status s = impl_->full_state(true, nullptr, &out);
+  TORCH_CHECK(s.ok(), s.ToString());
   return out;
+}
+
+OptimizerStateHeld Trainer::optimizer_state_held() const {
+  OptimizerStateHeld held;
+  for (size_t i = 0; i < impl_->masters.size(); ++i) {
+    const at::Tensor& master = impl_->masters[i];
+    if (!master.defined()) continue;
+    if (impl_->mixed()) {
+      ++held.master_tensors;
+      held.master_elements += master.numel();
+    }
+    if (const torch::optim::AdamWParamState* st = impl_->adam_state(master); st != nullptr) {
+      ++held.moment_tensors;
+      held.moment_elements += st->exp_avg().numel();
+    }
+  }
+  return held;
 }
 
 namespace {
@@ -852,8 +1043,8 @@ absl::Status check_same_bits_policy(const std::string& saved, const ExecutionPol
 
 Checkpoint Trainer::capture() const {
   Checkpoint c;
-  c.model = master_parameters();
-  c.optimizer = optimizer_tensors();
+  const absl::Status s = impl_->full_state(true, &c.model, &c.optimizer);
+  TORCH_CHECK(s.ok(), s.ToString());
   c.state.step = impl_->step;
   c.state.data_position = impl_->data.position();
   c.state.rng_cpu_hex = hex_encode(cpu_rng_state());
@@ -863,7 +1054,15 @@ Checkpoint Trainer::capture() const {
 }
 
 absl::Status Trainer::save_checkpoint(const std::string& step_dir) const {
-  return write_checkpoint(step_dir, capture());
+  if (impl_->sharded() && impl_->rank() != 0) {
+    // Takes part in gathering the state only (Note [Sharded optimizer state]).
+    return impl_->full_state(false, nullptr, nullptr);
+  }
+  try {
+    return write_checkpoint(step_dir, capture());
+  } catch (const c10::Error& e) {
+    return absl::UnavailableError(e.what_without_backtrace());
+  }
 }
 
 absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
@@ -919,13 +1118,14 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
     if (avg == opt.end()) continue;  // saved before the first step
     const auto sq = opt.find(name + ".exp_avg_sq");
     const auto step = opt.find(name + ".step");
-    if (sq == opt.end() || step == opt.end() || avg->second.sizes() != m.masters[i].sizes() ||
-        sq->second.sizes() != m.masters[i].sizes() || avg->second.scalar_type() != at::kFloat ||
+    if (sq == opt.end() || step == opt.end() || avg->second.sizes() != m.params[i].sizes() ||
+        sq->second.sizes() != m.params[i].sizes() || avg->second.scalar_type() != at::kFloat ||
         sq->second.scalar_type() != at::kFloat || step->second.numel() != 1) {
       return absl::DataLossError(absl::StrCat(*step_dir, "/optimizer.safetensors: ", name,
                                               ": expected FP32 exp_avg and exp_avg_sq shaped "
                                               "like the parameter and a scalar step"));
     }
+    if (!m.owns(i)) continue;  // Note [Sharded optimizer state]: the owner keeps it
     states[i] = std::make_unique<torch::optim::AdamWParamState>();
     states[i]->step(step->second.item<int64_t>());
     states[i]->exp_avg(avg->second.to(m.device).clone());
@@ -935,8 +1135,9 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
   at::NoGradGuard no_grad;
   m.optimizer->state().clear();
   for (size_t i = 0; i < m.names.size(); ++i) {
-    m.masters[i].copy_(weights.at(m.names[i]));
-    if (m.mixed()) m.params[i].copy_(m.masters[i]);
+    // BF16 params: the FP32 weights rounded, as copying from the master does.
+    if (m.masters[i].defined()) m.masters[i].copy_(weights.at(m.names[i]));
+    if (m.mixed()) m.params[i].copy_(weights.at(m.names[i]));
     if (states[i] != nullptr) {
       m.optimizer->state()[m.masters[i].unsafeGetTensorImpl()] = std::move(states[i]);
     }
@@ -951,8 +1152,10 @@ absl::Status Trainer::resume(const std::string& dir, bool allow_config_change) {
   m.step = ckpt->state.step;
   if (m.world() > 1) {
     // Every rank read the checkpoint itself: make sure they all read the same one.
-    return check_same_on_all_ranks(*m.group, "resumed parameter checksum",
-                                   tensors_checksum(m.masters));
+    // Of the checkpoint's weights (the masters' values, also where a rank keeps none).
+    std::vector<at::Tensor> read;
+    for (const std::string& name : m.names) read.push_back(weights.at(name));
+    return check_same_on_all_ranks(*m.group, "resumed parameter checksum", tensors_checksum(read));
   }
   return absl::OkStatus();
 }
@@ -976,11 +1179,13 @@ absl::Status Trainer::write_snapshot(const std::string& dir) const {
   tensors.emplace_back("loss/microbatch", at::tensor(losses, at::kFloat));
   tensors.emplace_back("loss/mean",
                        at::scalar_tensor(sum / std::max<size_t>(1, losses.size()), at::kFloat));
-  for (auto& [name, t] : master_parameters()) tensors.emplace_back("param/" + name, t);
+  io::NamedTensors model, optimizer;
+  if (absl::Status s = m.full_state(true, &model, &optimizer); !s.ok()) return s;
+  for (auto& [name, t] : model) tensors.emplace_back("param/" + name, t);
   for (size_t i = 0; i < m.last_grads.size(); ++i) {
     tensors.emplace_back("grad/" + m.names[i], m.last_grads[i]);
   }
-  for (auto& [name, t] : optimizer_tensors()) tensors.emplace_back("adam/" + name, t);
+  for (auto& [name, t] : optimizer) tensors.emplace_back("adam/" + name, t);
   tensors.emplace_back("rng/cpu", cpu_rng_state());
   tensors.emplace_back("data/position", at::tensor(std::vector<int64_t>{m.data.position().epoch,
                                                                         m.data.position().index},
@@ -1026,6 +1231,11 @@ absl::Status Trainer::run(std::ostream& log) {
                              impl_->step + 1)
         << std::endl
         << format_policy_line(impl_->policy, impl_->policy_from_environment) << std::endl;
+    if (impl_->sharded()) {
+      std::vector<int64_t> numels;
+      for (const at::Tensor& p : impl_->params) numels.push_back(p.numel());
+      log << format_sharding_line(numels, impl_->owner, impl_->world()) << std::endl;
+    }
     if (!impl_->init_line.empty() && impl_->step == 0) log << impl_->init_line << std::endl;
     if (!impl_->cuda_graphs_off_reason.empty()) log << impl_->cuda_graphs_off_reason << std::endl;
     for (const std::string& name : unknown_gdr_environment_variables()) {
@@ -1033,9 +1243,22 @@ absl::Status Trainer::run(std::ostream& log) {
           << std::endl;
     }
   }
+  bool first_step = true;
   while (impl_->step < tc.steps) {
     absl::StatusOr<StepStats> stats = train_step();
     if (!stats.ok()) return stats.status();
+    if (first_step && impl_->sharded()) {
+      // Every rank: what it holds, the evidence that the state is sharded.
+      const OptimizerStateHeld held = optimizer_state_held();
+      log << "rank " << impl_->rank() << " holds AdamW moments of " << held.moment_tensors
+          << " tensors (" << held.moment_elements << " elements)";
+      if (impl_->mixed()) {
+        log << " and FP32 masters of " << held.master_tensors << " tensors ("
+            << held.master_elements << " elements)";
+      }
+      log << std::endl;
+    }
+    first_step = false;
     if (rank0 && (stats->step % tc.log_every == 0 || stats->step == tc.steps)) {
       log << format_progress_line(*stats, tc.steps) << std::endl;
     }
@@ -1076,10 +1299,13 @@ absl::Status Trainer::run(std::ostream& log) {
       }
     }
     const bool periodic = tc.checkpoint_every > 0 && stats->step % tc.checkpoint_every == 0;
-    if (rank0 && !tc.checkpoint_dir.empty() && (periodic || stats->step == tc.steps)) {
+    // Sharded: every rank takes part in gathering the state; rank 0 writes it.
+    if ((rank0 || impl_->sharded()) && !tc.checkpoint_dir.empty() &&
+        (periodic || stats->step == tc.steps)) {
       const std::string dir = checkpoint_step_dir(tc.checkpoint_dir, stats->step);
       const auto save_start = std::chrono::steady_clock::now();
       if (absl::Status s = save_checkpoint(dir); !s.ok()) return s;
+      if (!rank0) continue;
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
       // A multi-GB write stalls training for seconds: say how long, so it is not mistaken

@@ -115,6 +115,22 @@ std::string format_run_header(const RunConfig& config, const ExecutionPolicy& po
 std::string format_policy_line(const ExecutionPolicy& policy,
                                const std::vector<std::string>& from_environment);
 
+// With train.shard_optimizer_state and several ranks, printed after the policy line
+// (Note [Sharded optimizer state] in trainer.cc): the plan `owners` of parameters of sizes
+// `numels`, e.g. "optimizer state: sharded over 2 ranks (rank 0 owns 27 tensors, 92.1K
+// elements; rank 1 owns 26 tensors, 91.0K elements)".
+std::string format_sharding_line(const std::vector<int64_t>& numels, const std::vector<int>& owners,
+                                 int world);
+
+// What optimizer state this rank holds: the parameters with AdamW moments (exp_avg and
+// exp_avg_sq each have moment_elements elements) and, in bf16, FP32 masters.
+struct OptimizerStateHeld {
+  int64_t moment_tensors = 0;
+  int64_t moment_elements = 0;
+  int64_t master_tensors = 0;  // bf16 only (in fp32 the parameters are the masters)
+  int64_t master_elements = 0;
+};
+
 class Trainer {
  public:
   // Applies deterministic mode, opens the data, builds and initialises the model.
@@ -131,7 +147,11 @@ class Trainer {
   // whose hash (sha256 of config_text) differs between ranks, and initial parameters whose
   // checksum differs. Only rank 0 prints progress and writes metrics and checkpoints;
   // snapshots are written by every rank, rank r > 0 to `<snapshot_dir>.rank<r>`, so the
-  // ranks' states can be compared. Optimizer state is replicated (sharding is a later step).
+  // ranks' states can be compared. Optimizer state is replicated, or, with
+  // train.shard_optimizer_state, sharded over the ranks (Note [Sharded optimizer state] in
+  // trainer.cc): then capture(), save_checkpoint(), write_snapshot(), master_parameters() and
+  // optimizer_tensors() are collectives that every rank must call at the same point (run()
+  // does), and they give the full state, as without sharding.
   static absl::StatusOr<std::unique_ptr<Trainer>> create(
       const RunConfig& config, std::shared_ptr<ProcessGroup> group = nullptr);
   ~Trainer();
@@ -172,6 +192,8 @@ class Trainer {
   // FP32 masters under HF names, and "<name>.exp_avg|exp_avg_sq|step" optimizer tensors.
   io::NamedTensors master_parameters() const;
   io::NamedTensors optimizer_tensors() const;
+  // The optimizer state kept in this process (all of it unless sharded).
+  OptimizerStateHeld optimizer_state_held() const;
   QwenForCausalLMImpl& model();
 
  private:

@@ -6,7 +6,9 @@
 #      so is a run with train.overlap_grad_reduction;
 #   3. DP=1 with grad_accum 4 and DP=2 with grad_accum 2 are byte-identical (Note [Gradient
 #      reduction tree] in gdr/distributed.h);
-#   4. a killed rank ends the other with an error in bounded time.
+#   4. a killed rank ends the other with an error in bounded time;
+#   5. train.shard_optimizer_state (NCCL broadcasts, graphed microbatches) is byte-identical to
+#      the replicated run, and its checkpoint resumes replicated identically.
 # Needs two GPUs: with fewer it fails (a skipped test is not a pass).
 # Arguments (Bazel passes them; the GPU bundle runs it with none, from its runfiles copy):
 #   TRAIN COMPARE LAUNCH CONFIG
@@ -67,6 +69,21 @@ run_dp 1 one --set=train.grad_accum=4
 run_dp 2 two --set=train.grad_accum=2
 expect_rc 0 "DP=1 x4 == DP=2 x2" "$COMPARE" "$OUT/one/snap" "$OUT/two/snap"
 echo "DP=1 x4 and DP=2 x2 byte-identical: $(tail -n 1 "$OUT/last.log")"
+
+# 5. Sharded optimizer state (Note [Sharded optimizer state] in gdr/trainer.cc): the same
+# bits as replicated (run a), snapshots of both ranks and the checkpoint; resumed replicated.
+run_dp 2 sharded --set=train.grad_accum=2 --set=train.checkpoint_every=1 \
+  --set=train.shard_optimizer_state=true
+grep -q "^\[rank 0\] optimizer state: sharded over 2 ranks" "$OUT/sharded.log" ||
+  fail "no sharding line: $(cat "$OUT/sharded.log")"
+expect_rc 0 "sharded == replicated" "$COMPARE" "$OUT/a/snap" "$OUT/sharded/snap"
+expect_rc 0 "sharded == replicated (rank 1)" "$COMPARE" "$OUT/a/snap" "$OUT/sharded/snap.rank1"
+for f in "$OUT"/a/ckpt/step_3/*.safetensors; do
+  cmp -s "$f" "$OUT/sharded/ckpt/step_3/$(basename "$f")" || fail "sharded checkpoint: $f differs"
+done
+run_dp 2 sharded_resumed --set=train.grad_accum=2 --resume="$OUT/sharded/ckpt/step_1"
+expect_rc 0 "sharded checkpoint resumed replicated" "$COMPARE" "$OUT/a/snap/step_3" \
+  "$OUT/sharded_resumed/snap/step_3"
 
 # 4. A killed rank ends the other in bounded time (NCCL's watchdog, GDR_DIST_TIMEOUT_S).
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 29517)

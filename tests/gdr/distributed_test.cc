@@ -458,6 +458,64 @@ TEST(ProcessGroupTest, DifferentValuesAreRefusedOnEveryRank) {
   }
 }
 
+// Note [Sharded optimizer state]: the plan is greedy by size in parameter order, ties to the
+// lowest rank; every parameter has one owner, and the ranks are balanced to within the largest
+// parameter.
+TEST(OptimizerStateOwnersTest, GreedyBalancedEveryParameterOnce) {
+  EXPECT_EQ(optimizer_state_owners({10, 4, 4, 3, 1}, 2), (std::vector<int>{0, 1, 1, 1, 0}));
+  EXPECT_EQ(optimizer_state_owners({5, 5, 5}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(optimizer_state_owners({}, 4), (std::vector<int>{}));
+  EXPECT_EQ(optimizer_state_owners({1, 1}, 4), (std::vector<int>{0, 1}));  // ranks 2, 3 idle
+  // A model-like list: embeddings, then many layers' matrices and norms.
+  std::vector<int64_t> numels{151936 * 64};
+  for (int layer = 0; layer < 24; ++layer) {
+    for (int64_t n : {64 * 192, 64 * 64, 64, 64 * 256, 256 * 64, 64}) numels.push_back(n);
+  }
+  for (int world : {2, 3, 4, 8}) {
+    const std::vector<int> owners = optimizer_state_owners(numels, world);
+    ASSERT_EQ(owners.size(), numels.size());
+    EXPECT_EQ(owners, optimizer_state_owners(numels, world));  // pure
+    std::vector<int64_t> owned(world, 0);
+    for (size_t i = 0; i < owners.size(); ++i) {
+      ASSERT_GE(owners[i], 0);
+      ASSERT_LT(owners[i], world);
+      owned[owners[i]] += numels[i];
+    }
+    // The embedding dominates: rank 0 owns it alone; the others share the rest evenly.
+    EXPECT_EQ(owners[0], 0);
+    const int64_t largest_layer_tensor = 64 * 256;
+    for (int r = 2; r < world; ++r) {
+      EXPECT_LE(std::abs(owned[r] - owned[1]), largest_layer_tensor) << world << " " << r;
+    }
+  }
+}
+
+// Broadcast moves the root's bytes into every rank's tensors, any dtype, in buckets or alone.
+TEST(ProcessGroupTest, BroadcastCopiesTheRootsBytes) {
+  std::vector<std::vector<at::Tensor>> got(2);
+  on_two_ranks([&](ProcessGroup& group) {
+    const int r = group.rank();
+    for (int root : {0, 1}) {
+      std::vector<at::Tensor> tensors{
+          at::arange(7, at::kFloat).mul(root + 0.25f).add(r * 100.0f),
+          at::arange(6, at::kFloat).reshape({2, 3}).to(at::kBFloat16).add(r * 10.0f + root),
+          at::empty({0}, at::kFloat), at::full({40}, static_cast<float>(r + root))};
+      // 32-byte buckets: the first two tensors share one, the 160-byte one goes alone.
+      absl::Status s = group.broadcast(tensors, root, /*bucket_bytes=*/64);
+      ASSERT_TRUE(s.ok()) << s;
+      if (root == 1) got[r] = tensors;
+      EXPECT_TRUE(
+          at::equal(tensors[0], at::arange(7, at::kFloat).mul(root + 0.25f).add(root * 100.0f)));
+      EXPECT_TRUE(at::equal(
+          tensors[1],
+          at::arange(6, at::kFloat).reshape({2, 3}).to(at::kBFloat16).add(root * 10.0f + root)));
+      EXPECT_TRUE(at::equal(tensors[3], at::full({40}, static_cast<float>(2 * root))));
+    }
+  });
+  ASSERT_EQ(got[0].size(), 4u);
+  for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(at::equal(got[0][i], got[1][i])) << i;
+}
+
 // This CPU binary does not link //gdr:distributed_nccl: asking for CUDA says which target
 // is missing, before any rendezvous is attempted.
 TEST(ProcessGroupTest, CudaWithoutTheNcclBackendLinkedIsRefused) {

@@ -11,7 +11,13 @@
 #   5. launch.sh stops the other ranks and fails when one rank fails;
 #   6. bad rank environment -> one error line naming the variable, exit 2;
 #   7. DP=1 with grad_accum 4 and DP=2 with grad_accum 2 (the same global batch) are
-#      byte-identical (Note [Gradient reduction tree] in gdr/distributed.h), fp32 and bf16.
+#      byte-identical (Note [Gradient reduction tree] in gdr/distributed.h), fp32 and bf16;
+#   8. train.shard_optimizer_state (Note [Sharded optimizer state] in gdr/trainer.cc): DP=2
+#      sharded == DP=2 replicated byte for byte after 3 steps (snapshots of both ranks:
+#      losses, gradients, masters, AdamW state; and the checkpoints), fp32 and bf16, both
+#      optimizer.impl paths, with clipping; each rank holds only its owned moments; a sharded
+#      checkpoint resumed sharded and replicated, and a replicated one resumed sharded,
+#      continue identically.
 set -u
 TRAIN="$1"
 COMPARE="$2"
@@ -178,4 +184,75 @@ run_dp 1 dp1_bf16 --set=train.grad_accum=4 --set=train.dtype=bf16
 run_dp 2 dp2_bf16 --set=train.grad_accum=2 --set=train.dtype=bf16
 expect_rc 0 "bf16 DP=2 ranks equal" "$COMPARE" "$OUT/dp2_bf16/snap" "$OUT/dp2_bf16/snap.rank1"
 expect_rc 0 "bf16 DP=1 x 4 vs DP=2 x 2" "$COMPARE" "$OUT/dp1_bf16/snap" "$OUT/dp2_bf16/snap"
+# 8. Sharded optimizer state: the same bits as replicated, and the state really is split.
+same_tensors() {  # same_tensors DIR_A DIR_B: the two directories' safetensors byte-identical
+  for f in "$1"/*.safetensors; do
+    cmp -s "$f" "$2/$(basename "$f")" || fail "$f differs from $2/$(basename "$f")"
+  done
+}
+for dtype in fp32 bf16; do
+  for impl in fused loop; do
+    # grad_clip 0.05: the clip factor is < 1, so the clipped gradients are compared too.
+    common=(--set=train.steps=3 --set=train.grad_accum=2 --set=train.dtype=$dtype
+            --set=optimizer.impl=$impl --set=optimizer.grad_clip=0.05)
+    run_dp 2 rep_${dtype}_$impl "${common[@]}"
+    run_dp 2 shard_${dtype}_$impl "${common[@]}" --set=train.shard_optimizer_state=true
+    cp "$OUT/last.log" "$OUT/shard_${dtype}_$impl.log"
+    for r in "" .rank1; do
+      expect_rc 0 "sharded == replicated, $dtype $impl$r" "$COMPARE" \
+        "$OUT/rep_${dtype}_$impl/snap$r" "$OUT/shard_${dtype}_$impl/snap$r"
+    done
+    same_tensors "$OUT/rep_${dtype}_$impl/ckpt/step_3" "$OUT/shard_${dtype}_$impl/ckpt/step_3"
+  done
+  log="$OUT/shard_${dtype}_fused.log"
+  plan=$(grep "^\[rank 0\] optimizer state: sharded over 2 ranks (rank 0 owns [0-9]* tensors, .* elements; rank 1 owns [0-9]* tensors, .* elements)$" "$log") ||
+    fail "no sharding line: $(cat "$log")"
+  echo "$dtype: $plan"
+  # Each rank holds the moments of its own parameters only, and together all of them.
+  n0=$(sed -n 's/^\[rank 0\] rank 0 holds AdamW moments of \([0-9]*\) tensors (\([0-9]*\) elements).*/\1 \2/p' "$log")
+  n1=$(sed -n 's/^\[rank 1\] rank 1 holds AdamW moments of \([0-9]*\) tensors (\([0-9]*\) elements).*/\1 \2/p' "$log")
+  [ -n "$n0" ] && [ -n "$n1" ] || fail "no holdings lines: $(cat "$log")"
+  echo "$plan" | grep -q "rank 0 owns ${n0% *} tensors" || fail "rank 0 holds $n0, plan: $plan"
+  echo "$plan" | grep -q "rank 1 owns ${n1% *} tensors" || fail "rank 1 holds $n1, plan: $plan"
+  total=$(python3 -c "
+import json, struct, sys
+with open(sys.argv[1], 'rb') as f:
+    n = struct.unpack('<Q', f.read(8))[0]; h = json.loads(f.read(n))
+tensors = [k for k in h if k.startswith('adam/') and k.endswith('.exp_avg')]
+elements = 0
+for k in tensors:
+    e = 1
+    for d in h[k]['shape']: e *= d
+    elements += e
+print(len(tensors), elements)" "$OUT/rep_${dtype}_fused/snap/step_3/snapshot.safetensors")
+  [ "$(( ${n0% *} + ${n1% *} )) $(( ${n0#* } + ${n1#* } ))" = "$total" ] ||
+    fail "$dtype: ranks hold $n0 + $n1, the model has $total"
+  [ "${n0% *}" -gt 0 ] && [ "${n1% *}" -gt 0 ] || fail "$dtype: a rank holds nothing: $n0 / $n1"
+  if [ "$dtype" = bf16 ]; then
+    grep -q "^\[rank 1\] rank 1 holds AdamW moments of ${n1% *} tensors (${n1#* } elements) and FP32 masters of ${n1% *} tensors (${n1#* } elements)$" "$log" ||
+      fail "bf16 masters not sharded: $(grep holds "$log")"
+  fi
+done
+# Resume across the switch: a sharded checkpoint, resumed sharded and replicated, and a
+# replicated one resumed sharded, continue as the uninterrupted run (steps 2 and 3).
+for dtype in fp32 bf16; do
+  common=(--set=train.steps=3 --set=train.grad_accum=2 --set=train.dtype=$dtype
+          --set=optimizer.grad_clip=0.05)
+  run_dp 2 shard_ck_$dtype "${common[@]}" --set=train.shard_optimizer_state=true \
+    --set=train.checkpoint_every=1
+  run_dp 2 rep_ck_$dtype "${common[@]}" --set=train.checkpoint_every=1
+  same_tensors "$OUT/rep_ck_$dtype/ckpt/step_1" "$OUT/shard_ck_$dtype/ckpt/step_1"
+  for from in shard rep; do
+    for to in true false; do
+      run_dp 2 res_${from}_${to}_$dtype "${common[@]}" --set=train.shard_optimizer_state=$to \
+        --resume="$OUT/${from}_ck_$dtype/ckpt/step_1"
+      for st in 2 3; do
+        for r in "" .rank1; do
+          expect_rc 0 "resumed $from -> sharded=$to, $dtype, step $st$r" "$COMPARE" \
+            "$OUT/rep_${dtype}_fused/snap/step_$st" "$OUT/res_${from}_${to}_$dtype/snap$r/step_$st"
+        done
+      done
+    done
+  done
+done
 echo PASS

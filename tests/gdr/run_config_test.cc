@@ -78,7 +78,8 @@ TEST(RunConfigTest, OverridesAreTypedByTheSchema) {
   EXPECT_EQ(c->model.hidden_size, 32);
   EXPECT_EQ(c->train.metrics_path, "runs/m.jsonl");
   EXPECT_NE(c->config_text.find("steps: 5"), std::string::npos);
-  EXPECT_TRUE(c->train.cuda_graphs);  // the default
+  EXPECT_TRUE(c->train.cuda_graphs);             // the default
+  EXPECT_FALSE(c->train.shard_optimizer_state);  // the default
   const absl::StatusOr<RunConfig> eager =
       load_run_config("configs/train_tiny.yaml", {{"train.cuda_graphs", "false"}});
   ASSERT_TRUE(eager.ok()) << eager.status();
@@ -142,6 +143,10 @@ INSTANTIATE_TEST_SUITE_P(
                   "train:\n  cuda_graphs: sometimes\n",
                   {},
                   "$: train.cuda_graphs: expected one of false, true but got 'sometimes'"},
+        ErrorCase{"bad_shard_optimizer_state",
+                  "train:\n  shard_optimizer_state: maybe\n",
+                  {},
+                  "$: train.shard_optimizer_state: expected one of false, true but got 'maybe'"},
         ErrorCase{"bad_nonfinite",
                   "train:\n  on_nonfinite: ignore\n",
                   {},
@@ -359,6 +364,7 @@ TEST(ResumeConfigTest, OutputsAndLoggingMayChange) {
                                        {"train.metrics_path", "m.jsonl"},
                                        {"train.log_every", "5"},
                                        {"train.cuda_graphs", "false"},
+                                       {"train.shard_optimizer_state", "true"},
                                        {"kernels.chunk_gemm_overlap", "false"},
                                        {"kernels.pre_gdr_gate_ordered", "two_pass"}}))
                   .empty());
