@@ -65,8 +65,9 @@ namespace gdr {
 // columns (or A and B as two column blocks) with one CTA per (batch, head, segment, column
 // block); keep the combine in FP32 in segment order (one small kernel, or the pass-3 CTAs
 // of segment i waiting on a flag in order; never atomics); read S_i in pass 3 as the
-// initial state; and for the backward walk the combine in reverse (dS_i = A_i^T dS_{i+1},
-// dA_i = dS_{i+1} S_i^T, dB_i = dS_{i+1}) and the segments in parallel, with the same plan.
+// initial state; and for the backward walk the combine in reverse (dS_i = A_i^T dS_{i+1} +
+// segment i's pass-3 gradient of its initial state, dA_i = dS_{i+1} S_i^T, dB_i = dS_{i+1})
+// and the segments in parallel, with the same plan.
 // This reference is differentiated by autograd of the composite.
 
 namespace {
