@@ -37,7 +37,8 @@ constexpr int64_t kGdrMinSegments = 3;
 // run). With N = ceil(T / chunk) chunks and B * H independent (batch, head) walks, one CTA
 // each, and at most one wave of (batch, head, segment) walks, n_max = floor(num_sms / (B * H)):
 //   - n_max < kGdrMinSegments (B * H > num_sms / 3: the heads nearly fill the GPU): one
-//     segment (FlashQLA's auto_cp stops at B * H > 40 on a 132-SM H100, the same line);
+//     segment (FlashQLA's auto_cp stops near the same line, B * H > 40 on sm_90, but sizes
+//     its segments by a latency model, ~3 sqrt(B H N / num_sms) chunks, a power of two);
 //   - else segments of c = max(kGdrMinSegmentChunks, ceil(N / n_max)) chunks, ceil(N / c) of
 //     them (the last one the shorter, never empty), or one segment if that is fewer than
 //     kGdrMinSegments (so T of at most 2 * kGdrMinSegmentChunks chunks always runs whole).
