@@ -9,13 +9,9 @@
 #   PART="tests state timing" (default: all three; a 10-minute device call fits two of them)
 # Logs and results under $OUT (default ./gpu-out).
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-[ -d .gpu ] || python3 -c "import tarfile; tarfile.open('.gpu.tar.xz').extractall('.')"
+source "$(dirname "${BASH_SOURCE[0]}")/bundle_env.sh"
 [ -d .gpu_reference ] || python3 -c "import tarfile; tarfile.open('.gpu_reference.tar.xz').extractall('.')"
-G=$PWD/.gpu R=$PWD/.gpu_reference
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$TORCH_LIB:$G/lib
+R=$PWD/.gpu_reference
 CONFIG=${CONFIG:-configs/train_qwen0p8b.yaml}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "reference: $(cat "$R/REVISION")" | tee -a "$OUT/gpu.txt"

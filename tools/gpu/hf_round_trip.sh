@@ -5,12 +5,7 @@
 # directory and gdr's reference logits, and tools/hf/check_export.py loads it with
 # Qwen3_5ForCausalLM.from_pretrained and compares the logits. Results under $OUT.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-[ -d .gpu ] || python3 -c "import tarfile; tarfile.open('.gpu.tar.xz').extractall('.')"
-G=$PWD/.gpu
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$TORCH_LIB:$G/lib
+source "$(dirname "${BASH_SOURCE[0]}")/bundle_env.sh"
 W=/tmp/gdr_hf_round_trip
 rm -rf "$W"
 (cd "$G/tools/train_cuda" && ./train_cuda --config=configs/train_tiny.yaml --set=train.device=cuda \

@@ -6,20 +6,12 @@
 #   CONFIG (configs/train_qwen0p8b.yaml), LAYOUTS ("4x1 2x2 1x4"), STEPS=10, WARMUP=3;
 #   results in $OUT/microbatch_layouts.txt.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-[ -d .gpu ] || python3 -c "import tarfile; tarfile.open('.gpu.tar.xz').extractall('.')"
-G=$PWD/.gpu
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$TORCH_LIB:$G/lib
+source "$(dirname "${BASH_SOURCE[0]}")/bundle_env.sh"
 CONFIG=${CONFIG:-configs/train_qwen0p8b.yaml}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/microbatch_layouts.txt"
 for layout in ${LAYOUTS:-4x1 2x2 1x4}; do
   accum=${layout%x*} micro=${layout#*x}
-  log=$OUT/microbatch_layout_$layout.log
-  (cd "$G/bench/step_timing" && ./step_timing --config="$CONFIG" --set=train.grad_accum="$accum" \
-    --set=data.micro_batch_size="$micro" --warmup="${WARMUP:-3}" --steps="${STEPS:-10}") >"$log" 2>&1
-  rc=$?
-  echo "grad_accum $accum x micro_batch_size $micro: exit $rc: $(grep -E 'tokens_per_s=|error' "$log" | tail -1)" |
-    tee -a "$OUT/microbatch_layouts.txt"
+  step_timing_row "grad_accum $accum x micro_batch_size $micro" "$OUT/microbatch_layouts.txt" \
+    "$OUT/microbatch_layout_$layout.log" --config="$CONFIG" --set=train.grad_accum="$accum" \
+    --set=data.micro_batch_size="$micro"
 done

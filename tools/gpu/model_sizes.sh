@@ -5,17 +5,9 @@
 # reserved CUDA memory (bench/step_timing), or the error that stopped it (out of memory).
 #   SIZES="0p8b 2b 4b" (default), STEPS=10, WARMUP=3; results in $OUT/model_sizes.txt.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-[ -d .gpu ] || python3 -c "import tarfile; tarfile.open('.gpu.tar.xz').extractall('.')"
-G=$PWD/.gpu
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$TORCH_LIB:$G/lib
+source "$(dirname "${BASH_SOURCE[0]}")/bundle_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/model_sizes.txt"
 for size in ${SIZES:-0p8b 2b 4b}; do
-  log=$OUT/model_size_$size.log
-  (cd "$G/bench/step_timing" && ./step_timing --config="configs/train_qwen$size.yaml" \
-    --warmup="${WARMUP:-3}" --steps="${STEPS:-10}") >"$log" 2>&1
-  rc=$?
-  echo "$size: exit $rc: $(grep -E 'tokens_per_s=|error' "$log" | tail -1)" | tee -a "$OUT/model_sizes.txt"
+  step_timing_row "$size" "$OUT/model_sizes.txt" "$OUT/model_size_$size.log" \
+    --config="configs/train_qwen$size.yaml"
 done
